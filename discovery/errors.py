@@ -1,0 +1,33 @@
+"""One error type for everything a user can get wrong.
+
+Every user-facing failure is a :class:`GascanError` whose message is one line naming the problem
+and the fix; the command line prints it and exits non-zero (``exit_code``).
+"""
+from __future__ import annotations
+
+
+class GascanError(Exception):
+    """A problem with the user's input: one line, what went wrong and how to fix it."""
+
+    exit_code: int = 2
+
+    def __init__(self, problem: str, fix: str | None = None, *, exit_code: int | None = None) -> None:
+        problem = " ".join(str(problem).split())
+        message = problem if not fix else f"{problem.rstrip('.')}. Fix: {' '.join(fix.split())}"
+        super().__init__(message)
+        self.problem = problem
+        self.fix = fix
+        if exit_code is not None:
+            self.exit_code = exit_code
+
+
+class ModelLoadError(GascanError):
+    """A checkpoint that cannot be loaded (missing, corrupt, unsupported, unsafe)."""
+
+    exit_code = 3
+
+
+class TaskError(GascanError):
+    """A task specification or data file that cannot be turned into prompts."""
+
+    exit_code = 4
