@@ -1,0 +1,209 @@
+"""Load a checkpoint safely: a local HF directory, a cached hub id (offline), a ``.gguf`` file,
+``tiny:ARCH`` (a random tiny model for plumbing), or nothing (the bundled toy model).
+
+Weights load without executing code: safetensors and GGUF by default; pickled weights and remote
+code only with explicit opt-ins. Every failure is one line with the fix (:class:`ModelLoadError`).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import ModelLoadError
+from .models.adapter import Adapter, adapter_for
+from .models.tables import supported_model_types
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for scanning: the module, its tokenizer, its adapter and where it came from."""
+
+    model: torch.nn.Module
+    tokenizer: Any
+    adapter: Adapter
+    spec: str
+    files: list[Path] = field(default_factory=list)
+    _hash: str | None = field(default=None, repr=False)
+
+    @property
+    def inventory(self):
+        return self.adapter.inventory
+
+    @property
+    def name(self) -> str:
+        return Path(self.spec).name if self.files else self.spec
+
+    def checkpoint_hash(self) -> str:
+        """sha256 over the weight files' bytes (or the parameters, for in-memory models); cached."""
+        if self._hash is None:
+            digest = hashlib.sha256()
+            if self.files:
+                for path in sorted(self.files):
+                    digest.update(path.name.encode())
+                    with open(path, "rb") as handle:
+                        for block in iter(lambda: handle.read(1 << 22), b""):
+                            digest.update(block)
+            else:
+                for name, tensor in sorted(self.model.state_dict().items()):
+                    digest.update(name.encode())
+                    digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            self._hash = digest.hexdigest()[:16]
+        return self._hash
+
+
+def _dtype(dtype: str | torch.dtype | None) -> torch.dtype:
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"unknown dtype {dtype!r}", f"use one of: {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def _hub_cache_dir(model_id: str) -> Path | None:
+    """The snapshot directory of a hub id in the local Hugging Face cache, if present."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model_id, local_files_only=True))
+    except Exception:
+        return None
+
+
+def resolve_spec(spec: str | os.PathLike | None) -> tuple[str, Path | None, str | None]:
+    """Turn a user's model spec into (kind, directory, gguf file name); kinds: tiny, dir, gguf."""
+    if spec is None:
+        from .toy import bundled_model_path
+
+        return "dir", bundled_model_path(), None
+    text = str(spec)
+    if text.startswith("tiny:"):
+        return "tiny", None, text.split(":", 1)[1]
+    path = Path(text).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return "gguf", path.parent, path.name
+    if path.is_dir():
+        return "dir", path, None
+    if path.exists():
+        raise ModelLoadError(f"{text} is not a model", "pass a Hugging Face model directory or a .gguf file")
+    looks_like_id = text.count("/") == 1 and not text.startswith((".", "/", "~"))
+    if looks_like_id:
+        cached = _hub_cache_dir(text)
+        if cached is not None:
+            return "dir", cached, None
+        raise ModelLoadError(
+            f"model {text!r} is not in the local Hugging Face cache and gascan never downloads",
+            f"download it first (`hf download {text}`) or pass a local directory",
+        )
+    raise ModelLoadError(f"model path {text!r} does not exist",
+                         "pass a local model directory, a .gguf file, a cached hub id or tiny:ARCH")
+
+
+def _check_directory(directory: Path, allow_pickle: bool, trust_remote_code: bool) -> dict:
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise ModelLoadError(f"{directory} is not a model directory (no config.json)",
+                             "point gascan at the folder that holds config.json and the weights")
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ModelLoadError(f"{config_path} is not valid JSON ({err.__class__.__name__})",
+                             "restore the checkpoint's config.json") from None
+    if config.get("auto_map") and not trust_remote_code:
+        raise ModelLoadError(f"{directory} needs custom code from the checkpoint (auto_map in config.json)",
+                             "inspect that code, then pass --trust-remote-code")
+    model_type = config.get("model_type")
+    if model_type not in supported_model_types() and not config.get("auto_map"):
+        raise ModelLoadError(f"unsupported architecture {model_type!r}",
+                             f"gascan supports: {', '.join(supported_model_types())}")
+    safetensors = list(directory.glob("*.safetensors"))
+    pickles = [p for p in directory.iterdir() if p.suffix in PICKLE_SUFFIXES]
+    if not safetensors:
+        if pickles and not allow_pickle:
+            raise ModelLoadError(f"{directory} has only pickled weights ({pickles[0].name}), which can run code on load",
+                                 "convert them to safetensors, or pass --allow-pickle if you trust the source")
+        if not pickles:
+            raise ModelLoadError(f"{directory} has no weights (*.safetensors)", "copy the weight files next to config.json")
+    return config
+
+
+def load_tokenizer(spec: str | os.PathLike | None, *, trust_remote_code: bool = False):
+    """Load only the tokenizer of a model spec (no weights)."""
+    from transformers import AutoTokenizer
+
+    kind, directory, name = resolve_spec(spec)
+    if kind == "tiny":
+        from .models.tiny import tiny_tokenizer
+
+        return tiny_tokenizer()
+    try:
+        if kind == "gguf":
+            return AutoTokenizer.from_pretrained(directory, gguf_file=name, local_files_only=True)
+        return AutoTokenizer.from_pretrained(directory, local_files_only=True, trust_remote_code=trust_remote_code)
+    except Exception as err:  # transformers raises many types here
+        raise ModelLoadError(f"no usable tokenizer in {directory} ({err.__class__.__name__})",
+                             "copy tokenizer.json / tokenizer_config.json next to the weights") from None
+
+
+def load_model(
+    spec: str | os.PathLike | None = None,
+    *,
+    dtype: str | torch.dtype | None = "float32",
+    device: str = "cpu",
+    allow_pickle: bool = False,
+    trust_remote_code: bool = False,
+    attn_implementation: str = "sdpa",
+    mamba1_group_width: int | None = None,
+) -> LoadedModel:
+    """Load a model spec (see module docstring) with its tokenizer and adapter, in eval mode."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    torch_dtype = _dtype(dtype)
+    kind, directory, name = resolve_spec(spec)
+    if kind == "tiny":
+        from .models.tiny import tiny_model, tiny_tokenizer
+
+        model = tiny_model(name, attn_implementation=attn_implementation).to(torch_dtype).to(device)
+        return LoadedModel(model, tiny_tokenizer(), adapter_for(model, mamba1_group_width), str(spec))
+    assert directory is not None
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        if kind == "gguf":
+            files = [directory / name]
+            model = AutoModelForCausalLM.from_pretrained(
+                directory, gguf_file=name, dtype=torch_dtype, local_files_only=True,
+                attn_implementation=attn_implementation,
+            )
+        else:
+            _check_directory(directory, allow_pickle, trust_remote_code)
+            files = sorted(directory.glob("*.safetensors")) or sorted(
+                p for p in directory.iterdir() if p.suffix in PICKLE_SUFFIXES)
+            model = AutoModelForCausalLM.from_pretrained(
+                directory, dtype=torch_dtype, local_files_only=True, trust_remote_code=trust_remote_code,
+                use_safetensors=None if allow_pickle else True, attn_implementation=attn_implementation,
+            )
+    except ModelLoadError:
+        raise
+    except Exception as err:
+        text = f"{err.__class__.__name__}: {err}".splitlines()[0][:200]
+        raise ModelLoadError(f"could not load the weights in {directory} ({text})",
+                             "the checkpoint is corrupt or truncated: copy it again") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    model = model.to(device).eval()
+    tokenizer = load_tokenizer(spec if kind != "dir" else directory, trust_remote_code=trust_remote_code)
+    return LoadedModel(model, tokenizer, adapter_for(model, mamba1_group_width), str(spec or directory), files)

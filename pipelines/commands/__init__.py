@@ -1,0 +1,1 @@
+"""Subcommands of the ``gascan`` command line, one module each."""
