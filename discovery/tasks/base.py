@@ -57,12 +57,12 @@ class Prompt:
     def scoring(self) -> str:
         return str(self.meta.get("scoring", "next_token"))
 
-    def where(self) -> str:
-        """How to name this prompt in an error message (its source row when known)."""
+    def where(self, index: int | None = None) -> str:
+        """How to name this prompt in an error message: its source row when known, else its index."""
         if "row" in self.meta:
             src = self.meta.get("source")
             return f"row {self.meta['row']}" + (f" of {src}" if src else "")
-        return f"prompt {self.meta.get('index', '?')}"
+        return f"prompt {self.meta.get('index', '?') if index is None else index}"
 
 
 def check_prompt(p: Prompt) -> str | None:
@@ -323,10 +323,9 @@ def annotate(
     if not prompts:
         raise TaskError("no prompts to annotate", "check the task's size option n and its input file")
     for i, p in enumerate(prompts):
-        p.meta.setdefault("index", i)
         problem = check_prompt(p)
         if problem:
-            raise TaskError(f"malformed prompt ({p.where()}): {problem}")
+            raise TaskError(f"malformed prompt ({p.where(i)}): {problem}")
     if add_bos is None:
         add_bos = tokenizer_adds_bos(tokenizer)
     bos_id = getattr(tokenizer, "bos_token_id", None)
@@ -341,7 +340,7 @@ def annotate(
     cand_tokens: list[list[list[int]]] = []
     too_long: list[str] = []
     not_single: list[str] = []
-    for p in prompts:
+    for i, p in enumerate(prompts):
         ids, offsets = _encode_with_offsets(tokenizer, p.text)
         if add_bos:
             ids = [bos_id] + ids
@@ -351,7 +350,7 @@ def annotate(
             span = _span_tokens(offsets, s, e)
             summary = _token_index_of_char(offsets, e - 1)
             if span is None or summary is None:
-                raise TaskError(f"segment {k} of {p.where()} covers no token in this tokenizer")
+                raise TaskError(f"segment {k} of {p.where(i)} covers no token in this tokenizer")
             segs.append((span[0], span[1] + 1, summary))
         labs = None
         if p.labels is not None:
@@ -359,10 +358,10 @@ def annotate(
             for k, (s, e) in enumerate(p.labels):
                 pos = _token_index_of_char(offsets, e - 1)
                 if pos is None:
-                    raise TaskError(f"label {k} of {p.where()} covers no token in this tokenizer")
+                    raise TaskError(f"label {k} of {p.where(i)} covers no token in this tokenizer")
                 labs.append(pos)
         if max_length is not None and len(ids) > max_length:
-            too_long.append(f"{p.where()} ({len(ids)} tokens)")
+            too_long.append(f"{p.where(i)} ({len(ids)} tokens)")
         conts = [_continuation_ids(tokenizer, p.text, ids, c, add_bos, bos_id) for c in p.candidates]
         if p.scoring == "next_token":
             firsts = [c[0] for c in conts]
@@ -370,7 +369,7 @@ def annotate(
                 shown = ", ".join(
                     f"{c!r}->{tokenizer.convert_ids_to_tokens(t)}" for c, t in zip(p.candidates, conts)
                 )
-                not_single.append(f"{p.where()}: {shown}")
+                not_single.append(f"{p.where(i)}: {shown}")
         rows_ids.append(ids)
         rows_seg.append(segs)
         rows_lab.append(labs)

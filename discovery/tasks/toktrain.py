@@ -38,9 +38,12 @@ def train_byte_level_bpe(texts: Iterable[str], vocab_size: int = 600, min_freque
 
 
 def tokenizer_for_prompts(prompts: Iterable[Any], vocab_size: int = 600) -> Any:
-    """A byte-level BPE trained on the prompts' texts and each text followed by each candidate."""
+    """A byte-level BPE trained on the prompts' texts and each text followed by each candidate.
+
+    ``min_frequency=1``, so even a one-prompt file gets its candidates (" A") as single tokens.
+    """
     corpus = []
     for p in prompts:
         corpus.append(p.text)
         corpus.extend(p.text[-40:] + c for c in p.candidates)
-    return train_byte_level_bpe(corpus, vocab_size=vocab_size)
+    return train_byte_level_bpe(corpus, vocab_size=vocab_size, min_frequency=1)
