@@ -10,7 +10,6 @@ import torch
 
 from discovery.errors import TaskError
 from discovery.tasks import TASKS, annotate, build_task, load_task_options, parse_task_options
-from discovery.tasks.base import Prompt
 from discovery.tasks.scoring import (
     continuation_loglik,
     continuation_scores,

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -296,7 +296,10 @@ def _apply_chat_template(p: Prompt, tokenizer: Any) -> Prompt:
             f"the chat template changed the prompt text, so its annotations cannot be kept ({p.where()})",
             "set --task-option chat_template=false",
         )
-    shift = lambda spans: None if spans is None else [(s + where, e + where) for s, e in spans]  # noqa: E731
+
+    def shift(spans: list[tuple[int, int]] | None) -> list[tuple[int, int]] | None:
+        return None if spans is None else [(s + where, e + where) for s, e in spans]
+
     cands = [c.lstrip(" ") or c for c in p.candidates]
     meta = dict(p.meta, chat_template="applied")
     return Prompt(templated, shift(p.segments), shift(p.labels), p.gold, cands, p.gold_segment, meta)
@@ -546,7 +549,7 @@ class Task:
 
     name: str = ""
     description: str = ""
-    OPTIONS: dict[str, Option] = {}
+    OPTIONS: ClassVar[dict[str, Option]] = {}
     default_scoring: str = "next_token"
     accepts_file: bool = False
 
@@ -617,8 +620,9 @@ def parse_task_options(pairs: Iterable[str]) -> dict[str, str]:
 
 def load_task_options(path: str, task: str | None = None) -> dict[str, Any]:
     """Options from a TOML file: top-level ``key = value`` pairs, overlaid by a ``[TASK]`` table."""
-    import tomllib
     from pathlib import Path
+
+    import tomllib
 
     p = Path(path)
     if not p.is_file():

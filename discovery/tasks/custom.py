@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from ..errors import TaskError
 from .base import Option, Prompt, Task, check_prompt
 
 REQUIRED = ("text", "segments", "candidates", "gold")
+
+
+class BadRow(Exception):
+    """What is wrong with one row (collected, then reported with its line number)."""
 
 
 def _spans(value: Any, what: str) -> list[tuple[int, int]]:
@@ -28,39 +32,39 @@ def _spans(value: Any, what: str) -> list[tuple[int, int]]:
                                                              for x in s)
         for s in value
     ):
-        raise ValueError(f"{what} must be a list of [start, end] integer pairs")
+        raise BadRow(f"{what} must be a list of [start, end] integer pairs")
     return [(int(s), int(e)) for s, e in value]
 
 
 def row_to_prompt(rec: dict, row: int, source: str) -> Prompt:
-    """Validate one row and build its prompt; raises ValueError naming the problem."""
+    """Validate one row and build its prompt; raises BadRow naming the problem."""
     missing = [k for k in REQUIRED if k not in rec or rec[k] is None]
     if missing:
-        raise ValueError(f"missing {', '.join(repr(m) for m in missing)}")
+        raise BadRow(f"missing {', '.join(repr(m) for m in missing)}")
     if not isinstance(rec["text"], str):
-        raise ValueError("text is not a string")
+        raise BadRow("text is not a string")
     cands = rec["candidates"]
     if not isinstance(cands, list) or not all(isinstance(c, str) for c in cands):
-        raise ValueError("candidates must be a list of strings")
+        raise BadRow("candidates must be a list of strings")
     gold = rec["gold"]
     if not isinstance(gold, int) or isinstance(gold, bool):
-        raise ValueError("gold must be an integer index into candidates")
+        raise BadRow("gold must be an integer index into candidates")
     gseg = rec.get("gold_segment")
     if gseg is not None and (not isinstance(gseg, int) or isinstance(gseg, bool)):
-        raise ValueError("gold_segment must be an integer index into segments")
+        raise BadRow("gold_segment must be an integer index into segments")
     segments = _spans(rec["segments"], "segments")
     if not segments:
-        raise ValueError("no segments")
+        raise BadRow("no segments")
     labels = _spans(rec["labels"], "labels") if rec.get("labels") is not None else None
     meta = dict(rec.get("meta") or {}) if isinstance(rec.get("meta"), (dict, type(None))) else {}
     meta.update(row=row, source=source)
     p = Prompt(rec["text"], segments, labels, gold, list(cands), gseg, meta)
     if gseg is None and gold >= len(segments):
         p.gold_segment = None
-        raise ValueError(f"gold {gold} has no matching segment; give gold_segment")
+        raise BadRow(f"gold {gold} has no matching segment; give gold_segment")
     problem = check_prompt(p)
     if problem:
-        raise ValueError(problem)
+        raise BadRow(problem)
     return p
 
 
@@ -69,7 +73,7 @@ class JSONLTask(Task):
     description = "custom prompts from jsonl:PATH with character-span annotations (text, segments, candidates, gold)"
     accepts_file = True
     default_scoring = "next_token"
-    OPTIONS = {
+    OPTIONS: ClassVar[dict[str, Option]] = {
         "on_bad_row": Option("error", "malformed rows: error (default) or skip them (counted and reported)",
                              str, choices=("error", "skip")),
     }
@@ -93,11 +97,11 @@ class JSONLTask(Task):
             try:
                 rec = json.loads(text)
                 if not isinstance(rec, dict):
-                    raise ValueError("not a JSON object")
+                    raise BadRow("not a JSON object")
                 prompts.append(row_to_prompt(rec, row, path))
             except json.JSONDecodeError as err:
                 bad.append((row, f"not valid JSON ({err.msg})"))
-            except ValueError as err:
+            except BadRow as err:
                 bad.append((row, str(err)))
         if bad and self.options["on_bad_row"] == "error":
             shown = "; ".join(f"row {r}: {why}" for r, why in bad[:5]) + (" ..." if len(bad) > 5 else "")

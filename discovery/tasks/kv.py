@@ -22,6 +22,7 @@ suits SentencePiece tokenizers that split digits from the space.
 from __future__ import annotations
 
 import random
+from typing import ClassVar
 
 from ..errors import TaskError
 from .base import Option, Prompt, Task, TextBuilder
@@ -59,7 +60,7 @@ class KVTask(Task):
     name = "kv"
     description = "key-value retrieval: 'Memorize the following dictionary' (dict) or 'Jack: 1, ... Leo:' (named)"
     default_scoring = "continuation"
-    OPTIONS = {
+    OPTIONS: ClassVar[dict[str, Option]] = {
         "style": Option("dict", "dict (key:value lines, values 0-99) or named (Name: digit pairs)", str,
                         choices=("dict", "named")),
         "pairs": Option(None, "number of key-value pairs (default 8 for dict, 6 for named; named allows "

@@ -26,7 +26,7 @@ import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from ..errors import TaskError
 from .base import Option, Prompt, Task, TextBuilder
@@ -174,7 +174,7 @@ class MCTask(Task):
     description = "multiple choice in MMLU format (category questions, or mc:FILE with MMLU CSV / JSONL / parquet)"
     accepts_file = True
     default_scoring = "next_token"
-    OPTIONS = {
+    OPTIONS: ClassVar[dict[str, Option]] = {
         "n_choices": Option(4, "options per generated question", int, low=2, high=MAX_CHOICES),
         "labels": Option("upper", "option labels: upper (A B C D), lower (a b c d), digits (1 2 3 4) "
                          "or a list X,Y,Z", str, check=_check_labels),
@@ -358,6 +358,6 @@ def _read_parquet(p: Path) -> list[tuple[int, dict | str]]:
 
     try:
         df = pl.read_parquet(p)
-    except Exception as err:  # polars raises several error types for unreadable files
+    except Exception as err:  # noqa: BLE001 -- polars raises many error types for unreadable files
         raise TaskError(f"cannot read parquet file {str(p)!r}: {err}".splitlines()[0]) from None
     return [(i, rec) for i, rec in enumerate(df.to_dicts(), start=1)]

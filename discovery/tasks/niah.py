@@ -16,6 +16,7 @@ with ``gascan tasks show niah --model M``; ``annotate(max_length=...)`` rejects 
 from __future__ import annotations
 
 import random
+from typing import ClassVar
 
 from .base import Option, Prompt, Task, TextBuilder
 from .words import FILLER_SENTENCES
@@ -56,7 +57,7 @@ class NIAHTask(Task):
     name = "niah"
     description = "needle in a haystack: a passkey at a chosen depth in filler text"
     default_scoring = "continuation"
-    OPTIONS = {
+    OPTIONS: ClassVar[dict[str, Option]] = {
         "length": Option(500, "approximate haystack length in tokens (4 characters per token)", int,
                          low=0, high=1_000_000),
         "depth": Option(0.5, "where the needle sits, as a fraction of the haystack (0 = start, 1 = end)",

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import random
 import string
+from typing import ClassVar
 
 from .base import Option, Prompt, Task, TextBuilder
 
@@ -64,7 +65,7 @@ class VarTrackTask(Task):
     name = "vartrack"
     description = "variable tracking: chains 'VAR X = 12345 ... VAR Y = VAR X'; which name holds the value?"
     default_scoring = "continuation"
-    OPTIONS = {
+    OPTIONS: ClassVar[dict[str, Option]] = {
         "chains": Option(3, "number of chains (one candidate each)", int, low=2, high=20),
         "hops": Option(2, "re-assignments per chain after the value is bound", int, low=0, high=20),
         "target": Option("last", "which name of each chain is a candidate: last, first or random", str,
