@@ -192,10 +192,15 @@ def load_model(
             _check_directory(directory, allow_pickle, trust_remote_code)
             files = sorted(directory.glob("*.safetensors")) or sorted(
                 p for p in directory.iterdir() if p.suffix in PICKLE_SUFFIXES)
-            model = AutoModelForCausalLM.from_pretrained(
-                directory, dtype=torch_dtype, local_files_only=True, trust_remote_code=trust_remote_code,
-                use_safetensors=None if allow_pickle else True, attn_implementation=attn_implementation,
-            )
+            options = dict(dtype=torch_dtype, local_files_only=True, trust_remote_code=trust_remote_code,
+                           use_safetensors=None if allow_pickle else True)
+            try:
+                model = AutoModelForCausalLM.from_pretrained(directory, attn_implementation=attn_implementation,
+                                                             **options)
+            except ValueError as err:  # e.g. pure SSMs have no sdpa path
+                if "attention implementation" not in str(err) and "attn_implementation" not in str(err):
+                    raise
+                model = AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager", **options)
     except ModelLoadError:
         raise
     except Exception as err:

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-TINY_VOCAB = 260  # 256 byte tokens + <bos>, <eos>, <pad> (+1 spare), see tiny_tokenizer()
+TINY_VOCAB = 324  # 256 byte tokens + " A".." Z", " a".." z", " 0".." 9" + <bos>, <eos>, <pad> (see tiny_tokenizer())
 
 # Small but structurally faithful: several layers, GQA where the family has it, hybrids with both
 # kinds of layer. Widths are chosen so every family's constraints hold (head_dim * heads, SSM
@@ -68,9 +68,12 @@ def tiny_model(arch: str, seed: int = 0, attn_implementation: str = "eager") -> 
     if arch not in TINY_CONFIGS:
         raise GascanError(f"no tiny config for {arch!r}", f"use one of: {', '.join(sorted(TINY_CONFIGS))}")
     config = AutoConfig.for_model(arch, **TINY_CONFIGS[arch])
-    config._attn_implementation = attn_implementation
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+    try:
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+    except ValueError:  # pure SSMs support no sdpa: fall back to eager, as load_model does
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     return model.eval()
 
 
@@ -85,9 +88,13 @@ def tiny_tokenizer():
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab = {ch: i for i, ch in enumerate(alphabet)}
+    # single tokens for " A", " b", " 7"...: labels and small numbers score as one next token
+    merges = [("Ġ", c) for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"]
+    for left, right in merges:
+        vocab[left + right] = len(vocab)
     for special in ("<bos>", "<eos>", "<pad>"):
         vocab[special] = len(vocab)
-    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     core.decoder = decoders.ByteLevel()
     core.add_special_tokens(["<bos>", "<eos>", "<pad>"])

@@ -1,0 +1,321 @@
+"""The ablation engine: every head's causal effect, batched and prefix-reusing.
+
+One engine serves every caller (the sweep, pair tests, group ablations, placement, benchmarks).
+An :class:`Ablation` names heads edited together, how (``zero``, ``mean``, ``knockout``) and where
+(position classes). :meth:`AblationEngine.run` evaluates many ablations at once:
+
+- rows = ablation × prompt in one forward (chunked to a memory budget);
+- the clean run's hidden state before layer l is reused, so an ablation whose first edited layer is
+  l only recomputes layers l..L (layers before l are stubbed by the :class:`Intervener`);
+- :meth:`AblationEngine.run_naive` is the reference: one full forward per ablation, as the papers'
+  notebooks do; tests and ``gascan bench`` check the two agree.
+
+Scores are read at the query position (the last real token; batches are left-padded) over the
+candidates' first tokens: accuracy, logit difference (gold minus mean of the others), gold log-prob.
+"""
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .heads import HeadId, Inventory
+from .intervene import Intervener, PassConfig
+from .loading import LoadedModel
+from .tasks.base import AnnotatedBatch
+
+METHODS = ("zero", "mean", "knockout")
+SCOPES = ("all", "query", "summary", "segment", "label")
+METRICS = ("acc", "logit_diff", "gold_logprob")
+# Position classes for mean ablation, most specific first: a position takes the first class it is in.
+MEAN_CLASSES = ("query", "summary", "label", "segment", "all")
+
+
+@dataclass(frozen=True)
+class Ablation:
+    """Heads edited together in one forward.
+
+    ``scope``: position classes where the heads' outputs are edited (``all`` = every real token);
+    for ``knockout`` the scope gives the *query* rows and ``keys`` the key positions those rows may
+    no longer read (attention probabilities, or implicit-attention entries for SSM heads, set to 0).
+    """
+
+    heads: tuple[HeadId, ...]
+    method: str = "zero"
+    scope: tuple[str, ...] = ("all",)
+    keys: tuple[str, ...] = ("segment",)
+    label: str = ""
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"unknown ablation method {self.method!r}; use one of {METHODS}")
+        bad = [s for s in (*self.scope, *self.keys) if s not in SCOPES]
+        if bad:
+            raise ValueError(f"unknown position class {bad[0]!r}; use one of {SCOPES}")
+        if not self.heads:
+            raise ValueError("an ablation needs at least one head")
+
+    @property
+    def first_layer(self) -> int:
+        return min(h.layer for h in self.heads)
+
+    @property
+    def name(self) -> str:
+        return self.label or "+".join(str(h) for h in self.heads)
+
+
+def single_head_ablations(heads: Iterable[HeadId], method: str = "zero", scope: Sequence[str] = ("all",),
+                          keys: Sequence[str] = ("segment",)) -> list[Ablation]:
+    """One ablation per head (the sweep)."""
+    return [Ablation((h,), method, tuple(scope), tuple(keys)) for h in heads]
+
+
+def keep_only(inventory: Inventory, layers: Iterable[int], keep: Iterable[HeadId], method: str = "zero",
+              scope: Sequence[str] = ("all",), label: str = "") -> Ablation:
+    """Every head of ``layers`` ablated except ``keep``."""
+    keep_set = set(keep)
+    layer_set = set(layers)
+    heads = tuple(h for h in inventory.heads() if h.layer in layer_set and h not in keep_set)
+    return Ablation(heads, method, tuple(scope), label=label or f"keep_only({','.join(map(str, sorted(keep_set)))})")
+
+
+@dataclass
+class Scores:
+    """Per-ablation, per-prompt scores: each tensor is ``[ablation, prompt]``."""
+
+    acc: torch.Tensor
+    logit_diff: torch.Tensor
+    gold_logprob: torch.Tensor
+
+    def __getitem__(self, metric: str) -> torch.Tensor:
+        return getattr(self, metric)
+
+    @staticmethod
+    def cat(parts: Sequence[Scores], dim: int = 0) -> Scores:
+        return Scores(*(torch.cat([getattr(p, m) for p in parts], dim=dim) for m in METRICS))
+
+
+def query_scores(query_logits: torch.Tensor, batch: AnnotatedBatch) -> Scores:
+    """Scores of ``query_logits`` ``[ablation, prompt, vocab]`` against the batch's candidates."""
+    from .tasks.scoring import next_token_scores
+
+    parts = [next_token_scores(query_logits[a], batch) for a in range(query_logits.shape[0])]
+    return Scores(*(torch.stack([p[m].float() for p in parts]) for m in METRICS))
+
+
+@dataclass
+class _Plan:
+    """Edits of one chunk: rows are ablation-major (row = ablation * n_prompts + prompt)."""
+
+    ablations: list[Ablation]
+    n_prompts: int
+    edits: PassConfig = field(default_factory=PassConfig)
+
+
+class AblationEngine:
+    """Ablation effects of heads on one annotated batch of prompts (see module docstring)."""
+
+    def __init__(self, lm: LoadedModel, batch: AnnotatedBatch, *, max_rows: int | None = None,
+                 max_memory_mb: float | None = None) -> None:
+        if batch.padding_side != "left":
+            raise ValueError("the ablation engine needs a left-padded batch (annotate(..., padding_side='left'))")
+        self.lm = lm
+        self.model = lm.model
+        self.inventory = lm.inventory
+        self.device = next(self.model.parameters()).device
+        self.batch = batch.to(self.device)
+        self.n_prompts = len(batch)
+        self.intervener = Intervener(lm.adapter)
+        self.classes = self.batch.position_classes()  # name -> [prompt, pos] bool
+        self._accepts_position_ids = "position_ids" in inspect.signature(self.model.forward).parameters
+        self.max_rows = max_rows or self._rows_for_budget(max_memory_mb)
+        self._means: dict[tuple[int, str], torch.Tensor] = {}
+        self.intervener.learn_layer_output_format(self.batch.input_ids)
+        self.hidden: dict[int, torch.Tensor] = {}  # layer -> clean output [prompt, pos, d_model]
+        self.layer_rows = 0  # prompt-rows × layers recomputed so far: cost in units of one layer on one prompt
+        self.clean = self._clean_pass()
+
+    # -- inputs -----------------------------------------------------------------------------------
+    def _rows_for_budget(self, max_memory_mb: float | None) -> int:
+        if not max_memory_mb:
+            return 512
+        cfg = self.model.config
+        d = int(getattr(cfg, "hidden_size", 0) or getattr(cfg, "n_embd", 0) or 512)
+        t = int(self.batch.input_ids.shape[1])
+        heads = max(1, max((g.count for g in self.inventory.groups), default=1))
+        per_row = 4 * t * (16 * d + 2 * heads * t)  # activations of one layer + attention probs, fp32
+        return max(1, int(max_memory_mb * 2**20 // per_row))
+
+    def _inputs(self, repeat: int) -> dict[str, torch.Tensor]:
+        ids = self.batch.input_ids.repeat(repeat, 1)
+        mask = self.batch.attention_mask.repeat(repeat, 1)
+        kwargs = {"input_ids": ids, "attention_mask": mask, "use_cache": False}
+        if self._accepts_position_ids:
+            kwargs["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)
+        if "logits_to_keep" in inspect.signature(self.model.forward).parameters:
+            kwargs["logits_to_keep"] = 1
+        return kwargs
+
+    def _forward(self, repeat: int, config: PassConfig) -> torch.Tensor:
+        """Logits at the last position, ``[repeat * prompt, vocab]``."""
+        with torch.no_grad(), self.intervener.run(config):
+            out = self.model(**self._inputs(repeat))
+        n_layers = self.inventory.n_layers - config.start_layer
+        self.layer_rows += repeat * self.n_prompts * n_layers
+        return out.logits[:, -1, :].float()
+
+    def _clean_pass(self) -> Scores:
+        sinks = {i: (lambda h, i=i: self.hidden.__setitem__(i, h.detach())) for i in range(self.inventory.n_layers)}
+        logits = self._forward(1, PassConfig(layer_sinks=sinks))
+        return query_scores(logits[None], self.batch)
+
+    # -- edits ----------------------------------------------------------------------------------
+    def _mean_values(self, layer: int, kind: str) -> torch.Tensor:
+        """Mean of the out-projection input per position class over the batch: ``[class, in_features]``."""
+        key = (layer, kind)
+        if key not in self._means:
+            captured: list[torch.Tensor] = []
+
+            def grab(x: torch.Tensor) -> torch.Tensor:
+                captured.append(x.detach())
+                return x
+
+            with torch.no_grad(), self.intervener.run(PassConfig(proj_edits={key: grab})):
+                self.model(**self._inputs(1))
+            x = captured[0]  # [prompt, pos, in]
+            means = []
+            taken = torch.zeros_like(self.classes["all"])
+            for name in MEAN_CLASSES:
+                sel = self.classes[name] & ~taken & self.classes["all"]
+                taken |= sel
+                means.append(x[sel].mean(0) if sel.any() else x[self.classes["all"]].mean(0))
+            self._means[key] = torch.stack(means)  # [class, in]
+        return self._means[key]
+
+    def _class_index(self) -> torch.Tensor:
+        """``[prompt, pos]`` index into MEAN_CLASSES (first class that applies)."""
+        index = torch.full_like(self.classes["all"], len(MEAN_CLASSES) - 1, dtype=torch.long)
+        for i in reversed(range(len(MEAN_CLASSES))):
+            index[self.classes[MEAN_CLASSES[i]]] = i
+        return index
+
+    def _positions(self, scope: Sequence[str]) -> torch.Tensor:
+        mask = torch.zeros_like(self.classes["all"])
+        for name in scope:
+            mask |= self.classes[name]
+        return mask & self.classes["all"]  # [prompt, pos]
+
+    def _plan(self, ablations: list[Ablation]) -> PassConfig:
+        """Edit functions for a chunk of ablations (rows ablation-major)."""
+        n, p = len(ablations), self.n_prompts
+        config = PassConfig()
+        touched = sorted({(h.layer, h.kind) for a in ablations for h in a.heads})
+        for layer, kind in touched:
+            group = self.inventory.group(layer, kind)
+            # [row, pos, head] bool: which head outputs to edit where
+            proj_mask = torch.zeros(n, p, self.classes["all"].shape[1], group.count, dtype=torch.bool,
+                                    device=self.device)
+            knock: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []  # (ablation, head, q mask, k mask)
+            for a, abl in enumerate(ablations):
+                heads = [h.index for h in abl.heads if h.layer == layer and h.kind == kind]
+                if not heads:
+                    continue
+                if abl.method == "knockout":
+                    for h in heads:
+                        knock.append((a, h, self._positions(abl.scope), self._positions(abl.keys)))
+                else:
+                    pos = self._positions(abl.scope)  # [prompt, pos]
+                    proj_mask[a][:, :, heads] = pos[:, :, None]
+            methods = {abl.method for abl in ablations}
+            if proj_mask.any():
+                edit_mask = proj_mask.reshape(n * p, -1, group.count)
+                if "mean" in methods:
+                    per_row_mean = torch.tensor([abl.method == "mean" for abl in ablations], device=self.device)
+                    means = self._mean_values(layer, kind)[self._class_index()]  # [prompt, pos, in]
+                    config.proj_edits[(layer, kind)] = _replace_heads(edit_mask, group.width, means,
+                                                                      per_row_mean.repeat_interleave(p))
+                else:
+                    config.proj_edits[(layer, kind)] = _replace_heads(edit_mask, group.width, None, None)
+            if knock:
+                if kind != "attn":
+                    raise NotImplementedError("edge knockout of SSM heads is not available yet")
+                config.prob_edits[layer] = _knockout_probs(knock, n, p, group.count,
+                                                           self.classes["all"].shape[1], self.device)
+        return config
+
+    # -- running --------------------------------------------------------------------------------
+    def run(self, ablations: Sequence[Ablation], progress: Callable[[int], None] | None = None) -> Scores:
+        """Scores for every ablation, ``[ablation, prompt]``, batched and prefix-reusing."""
+        ablations = list(ablations)
+        if not ablations:
+            return Scores(*(torch.empty(0, self.n_prompts) for _ in METRICS))
+        order = sorted(range(len(ablations)), key=lambda i: ablations[i].first_layer)
+        per_chunk = max(1, self.max_rows // self.n_prompts)
+        results: dict[int, Scores] = {}
+        start = 0
+        while start < len(order):
+            layer = ablations[order[start]].first_layer
+            chunk = [order[start]]
+            while (start + len(chunk) < len(order) and len(chunk) < per_chunk
+                   and ablations[order[start + len(chunk)]].first_layer == layer):
+                chunk.append(order[start + len(chunk)])
+            config = self._plan([ablations[i] for i in chunk])
+            if layer > 0:
+                config.start_layer = layer
+                config.start_hidden = self.hidden[layer - 1].repeat(len(chunk), 1, 1)
+            logits = self._forward(len(chunk), config)
+            scores = query_scores(logits.view(len(chunk), self.n_prompts, -1), self.batch)
+            for j, i in enumerate(chunk):
+                results[i] = Scores(*(scores[m][j : j + 1] for m in METRICS))
+            if progress is not None:
+                progress(len(chunk))
+            start += len(chunk)
+        return Scores.cat([results[i] for i in range(len(ablations))])
+
+    def run_naive(self, ablations: Sequence[Ablation]) -> Scores:
+        """Reference: one full forward over all prompts per ablation, no prefix reuse."""
+        parts = []
+        for abl in ablations:
+            logits = self._forward(1, self._plan([abl]))
+            parts.append(query_scores(logits[None], self.batch))
+        return Scores.cat(parts)
+
+    def effects(self, ablations: Sequence[Ablation], scores: Scores | None = None) -> Scores:
+        """Per-prompt change from the clean run, ``[ablation, prompt]``."""
+        scores = scores if scores is not None else self.run(ablations)
+        return Scores(*(scores[m] - self.clean[m] for m in METRICS))
+
+
+def _replace_heads(edit_mask: torch.Tensor, width: int, means: torch.Tensor | None,
+                   mean_rows: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """An out-projection input edit: the masked heads' columns become 0 (or the class mean)."""
+
+    def edit(x: torch.Tensor) -> torch.Tensor:  # x [row, pos, in]
+        rows, pos, _ = x.shape
+        mask = edit_mask[:, -pos:]  # [row, pos, head]; a cached single-token pass sees the last position only
+        heads = x.view(rows, pos, -1, width)  # [row, pos, head, width]
+        if means is None:
+            out = heads.masked_fill(mask[..., None], 0.0)
+        else:
+            repl = means[:, -pos:].reshape(means.shape[0], pos, -1, width)  # [prompt, pos, head, width]
+            repl = repl.repeat(rows // means.shape[0], 1, 1, 1)
+            use = mask & mean_rows[:, None, None]
+            out = torch.where(use[..., None], repl, heads.masked_fill(mask[..., None], 0.0))
+        return out.reshape(rows, pos, -1)
+
+    return edit
+
+
+def _knockout_probs(knock, n: int, p: int, n_heads: int, t: int, device) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A probability edit: chosen heads' query rows may not read the chosen keys."""
+    mask = torch.zeros(n, p, n_heads, t, t, dtype=torch.bool, device=device)  # [abl, prompt, head, q, k]
+    for a, h, qmask, kmask in knock:
+        mask[a, :, h] = qmask[:, :, None] & kmask[:, None, :]
+    mask = mask.view(n * p, n_heads, t, t)
+
+    def edit(probs: torch.Tensor) -> torch.Tensor:  # [row, head, q, k]
+        return probs.masked_fill(mask[:, :, -probs.shape[2]:, -probs.shape[3]:], 0.0)
+
+    return edit

@@ -1,0 +1,73 @@
+"""Per-head ``[query, key]`` patterns, streamed layer by layer.
+
+Attention heads: softmax probabilities (gascan's attention function computes them eagerly only for
+the captured layers). SSM heads: the exact implicit attention of :mod:`discovery.ssm`, from the
+mixer's captured input (Mamba-2 per head; Mamba-1 per channel group, the mean of its channels),
+with the ``D`` skip passed separately. Nothing is kept for all layers at once: each layer's pattern
+is handed to a callback as soon as it is computed, and prompts are processed in chunks.
+"""
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable
+
+import torch
+
+from .heads import HeadGroup
+from .intervene import Intervener, PassConfig
+from .loading import LoadedModel
+from .tasks.base import AnnotatedBatch
+
+# (group, prompt rows, pattern [batch, head, q, k], extras e.g. {"D": [head]}) -> None
+PatternSink = Callable[[HeadGroup, slice, torch.Tensor, dict], None]
+
+
+def model_inputs(model: torch.nn.Module, batch: AnnotatedBatch) -> dict[str, torch.Tensor]:
+    """Forward kwargs for a (left- or right-padded) batch, with mask-aware position ids."""
+    mask = batch.attention_mask
+    kwargs = {"input_ids": batch.input_ids, "attention_mask": mask, "use_cache": False}
+    if "position_ids" in inspect.signature(model.forward).parameters:
+        kwargs["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)
+    return kwargs
+
+
+def for_each_pattern(lm: LoadedModel, batch: AnnotatedBatch, sink: PatternSink, *,
+                     layers: Iterable[int] | None = None, kinds: Iterable[str] = ("attn", "ssm"),
+                     chunk_prompts: int = 8) -> None:
+    """Call ``sink`` once per (layer, kind, prompt chunk) with that group's patterns."""
+    from . import ssm
+
+    wanted_layers = set(range(lm.inventory.n_layers) if layers is None else layers)
+    groups = [g for g in lm.inventory.groups if g.layer in wanted_layers and g.kind in set(kinds)]
+    intervener = Intervener(lm.adapter)
+    device = next(lm.model.parameters()).device
+    for start in range(0, len(batch), chunk_prompts):
+        rows = slice(start, min(start + chunk_prompts, len(batch)))
+        part = batch.select(rows).to(device)
+        config = PassConfig()
+        for group in groups:
+            if group.pattern == "attention":
+                config.prob_sinks[group.layer] = lambda p, g=group, r=rows: sink(g, r, p.detach(), {})
+            else:
+                mixer = lm.adapter.mixer(group.layer, group.kind)
+
+                def on_mixer(hidden, mask, g=group, r=rows, mixer=mixer):
+                    comp = ssm.ssm_components(mixer, hidden, mask)
+                    if g.pattern == "mamba1":
+                        pattern = ssm.implicit_attention(comp, channel_group=g.width)
+                        d_skip = comp.D.view(g.count, g.width).mean(-1)
+                    else:
+                        pattern = ssm.implicit_attention(comp)
+                        d_skip = comp.D
+                    sink(g, r, pattern, {"D": d_skip})
+
+                config.mixer_sinks[group.layer] = on_mixer
+        with torch.no_grad(), intervener.run(config):
+            lm.model(**model_inputs(lm.model, part))
+
+
+def collect_patterns(lm: LoadedModel, batch: AnnotatedBatch, **kwargs) -> dict[tuple[int, str], torch.Tensor]:
+    """All patterns as ``{(layer, kind): [batch, head, q, k]}`` — for small models, tests and figures."""
+    parts: dict[tuple[int, str], list[torch.Tensor]] = {}
+    for_each_pattern(lm, batch, lambda g, r, p, e: parts.setdefault((g.layer, g.kind), []).append(p.cpu()), **kwargs)
+    return {k: torch.cat(v) for k, v in parts.items()}
