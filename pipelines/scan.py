@@ -1,0 +1,262 @@
+"""``gascan scan``: load a model once, then per task the pattern pass, the attribution screen and the
+chosen ablation sweep, written as one head table (``heads.parquet``) and ``summary.json``.
+
+Every stage reads what the one before wrote, so each can be rerun alone; ``scan_task`` takes a layer
+range so the batch layer can shard a model's heads over workers and merge the tables afterwards.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+import torch
+
+from discovery.ablation import AblationEngine, single_head_ablations
+from discovery.errors import GascanError
+from discovery.heads import HeadGroup, HeadId
+from discovery.loading import LoadedModel
+from discovery.stats import bootstrap_ci
+from discovery.tasks import build_task
+from discovery.tasks.base import AnnotatedBatch, annotate
+
+ABLATION_MODES = ("exact", "query", "atp", "none")
+EFFECT_METRICS = {"logit_diff": "ld", "acc": "acc", "gold_logprob": "lp"}
+PATTERN_METRICS = ("gather_score", "gather_entropy", "agg_focus", "agg_focus_segment", "agg_select",
+                   "agg_margin", "selectivity")
+TABLE_VERSION = 1
+
+Progress = Callable[[str, int, int], None]  # (stage, done, total)
+
+
+@dataclass
+class ScanOptions:
+    """What a scan does; recorded in summary.json and part of the batch layer's shard keys."""
+
+    tasks: list[str] = field(default_factory=lambda: ["mc"])
+    task_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    ablation: str = "exact"
+    prompts: int = 64
+    seed: int = 0
+    max_memory_mb: float | None = None
+    bootstrap: int = 1000
+    chunk_prompts: int = 16
+
+    def __post_init__(self) -> None:
+        if self.ablation not in ABLATION_MODES:
+            raise GascanError(f"unknown ablation mode {self.ablation!r}", f"use one of: {', '.join(ABLATION_MODES)}")
+        if self.prompts < 2:
+            raise GascanError(f"--prompts {self.prompts} is too few", "use at least 2 prompts (64 is the default)")
+
+    def options_for(self, task: str) -> dict[str, Any]:
+        opts = {"seed": self.seed, "n": self.prompts}
+        if task.split(":", 1)[0] == "mc":
+            opts["split"] = "test"
+        opts.update(self.task_options.get(task, {}))
+        return opts
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def task_batch(lm: LoadedModel, task_spec: str, options: dict[str, Any]) -> AnnotatedBatch:
+    """The task's prompts, annotated for this model's tokenizer (left-padded, checked against context)."""
+    task = build_task(task_spec, options)
+    prompts = task.prompts()
+    max_len = getattr(lm.model.config, "max_position_embeddings", None)
+    batch = annotate(prompts, lm.tokenizer, padding_side="left", max_length=max_len)
+    return batch
+
+
+def _depth(layer: int, n_layers: int) -> float:
+    return layer / (n_layers - 1) if n_layers > 1 else 0.0
+
+
+def _pattern_metrics(lm: LoadedModel, batch: AnnotatedBatch, groups: list[HeadGroup], chunk: int,
+                     progress: Progress | None) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
+    """Per group, per metric: the per-head mean over prompts ``[head]`` (NaN where undefined)."""
+    from discovery import metrics
+    from discovery.patterns import for_each_pattern
+
+    parts: dict[tuple[int, str], dict[str, list[torch.Tensor]]] = {}
+    layers = sorted({g.layer for g in groups})
+    kinds = sorted({g.kind for g in groups})
+    done = [0]
+    total = len(groups) * math.ceil(len(batch) / chunk)
+
+    def sink(group: HeadGroup, rows: slice, pattern: torch.Tensor, extras: dict) -> None:
+        sub = batch.select(rows)
+        pattern = pattern.float()
+        out = parts.setdefault((group.layer, group.kind), {})
+        for name in PATTERN_METRICS:
+            out.setdefault(name, []).append(getattr(metrics, name)(pattern, sub).cpu())
+        done[0] += 1
+        if progress:
+            progress("patterns", done[0], total)
+
+    for_each_pattern(lm, batch, sink, layers=layers, kinds=kinds, chunk_prompts=chunk)
+    return {key: metrics.summarise({m: torch.cat(v) for m, v in vals.items()}) for key, vals in parts.items()}
+
+
+def _dla(lm: LoadedModel, batch: AnnotatedBatch, groups: list[HeadGroup]) -> dict[tuple[int, str], torch.Tensor]:
+    """Direct logit attribution per head ``[head]`` at the query position (final norm frozen)."""
+    from discovery import metrics
+    from discovery.intervene import Intervener, PassConfig
+    from discovery.patterns import model_inputs
+
+    device = next(lm.model.parameters()).device
+    part = batch.to(device)
+    rows = torch.arange(len(batch), device=device)
+    captured: dict[tuple[int, str], torch.Tensor] = {}
+    norm_in: list[torch.Tensor] = []
+
+    def grab(key):
+        def edit(x):
+            captured[key] = x[rows, part.query_pos].detach()  # [batch, in_features]
+            return x
+        return edit
+
+    config = PassConfig(proj_edits={(g.layer, g.kind): grab((g.layer, g.kind)) for g in groups})
+    norm = lm.adapter.final_norm()
+    handle = norm.register_forward_pre_hook(lambda m, a: norm_in.append(a[0].detach()))
+    try:
+        with torch.no_grad(), Intervener(lm.adapter).run(config):
+            lm.model(**model_inputs(lm.model, part))
+    finally:
+        handle.remove()
+    resid = norm_in[-1][rows, part.query_pos].float()  # [batch, d_model]
+    scale = _norm_scale(norm, resid)  # [batch, d_model]
+    unembed = lm.adapter.unembed().weight.float()  # [vocab, d_model]
+    out = {}
+    for g in groups:
+        key = (g.layer, g.kind)
+        heads = metrics.head_outputs(captured[key].float(), lm.adapter.out_proj_weight(g.layer, g.kind).float(),
+                                     g.count, g.width)  # [batch, head, d_model]
+        values = metrics.dla(heads * scale[:, None, :], unembed, part.cand_first_token, part.gold, None)
+        out[key] = torch.nanmean(values.cpu(), dim=0)
+    return out
+
+
+def _norm_scale(norm: torch.nn.Module, resid: torch.Tensor) -> torch.Tensor:
+    """The final norm linearised at the clean residual: per-dimension multiplier ``[batch, d_model]``."""
+    weight = getattr(norm, "weight", None)
+    eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+    if isinstance(norm, torch.nn.LayerNorm):
+        denom = torch.sqrt(resid.var(-1, unbiased=False, keepdim=True) + eps)
+    else:
+        denom = torch.sqrt(resid.pow(2).mean(-1, keepdim=True) + eps)
+    w = torch.ones_like(resid[0]) if weight is None else weight.float()
+    if type(norm).__name__.startswith("Gemma"):  # Gemma norms scale by (1 + weight)
+        w = 1.0 + w
+    return w[None, :] / denom
+
+
+def scan_task(lm: LoadedModel, task_spec: str, options: ScanOptions, *, layers: Sequence[int] | None = None,
+              progress: Progress | None = None) -> tuple[pl.DataFrame, dict[str, Any]]:
+    """Scan one task on the heads of ``layers`` (default all): the head table rows and task summary."""
+    batch = task_batch(lm, task_spec, options.options_for(task_spec))
+    inv = lm.inventory
+    wanted = set(range(inv.n_layers) if layers is None else layers)
+    groups = [g for g in inv.groups if g.layer in wanted]
+    heads = [h for g in groups for h in g.heads()]
+    started = time.perf_counter()
+    engine = AblationEngine(lm, batch, max_memory_mb=options.max_memory_mb)
+    clean = {m: float(engine.clean[m].mean()) for m in EFFECT_METRICS}
+    columns: dict[HeadId, dict[str, Any]] = {h: {} for h in heads}
+
+    if progress:
+        progress("patterns", 0, 1)
+    pattern_values = _pattern_metrics(lm, batch, groups, options.chunk_prompts, progress)
+    dla_values = _dla(lm, batch, groups)
+    for g in groups:
+        for h in g.heads():
+            for name, values in pattern_values[(g.layer, g.kind)].items():
+                columns[h][name] = values[h.index].item()
+            columns[h]["dla"] = dla_values[(g.layer, g.kind)][h.index].item()
+
+    sweeps = {"exact": [("all", ("all",)), ("query", ("query",))], "query": [("query", ("query",))]}
+    for scope_name, scope in sweeps.get(options.ablation, []):
+        ablations = single_head_ablations(heads, "zero", scope)
+        done = [0]
+
+        def tick(n: int, scope_name=scope_name) -> None:
+            done[0] += n
+            if progress:
+                progress(f"ablation ({scope_name})", done[0], len(ablations))
+
+        effects = engine.effects(ablations, engine.run(ablations, progress=tick))
+        for metric, short in EFFECT_METRICS.items():
+            mean, lo, hi = bootstrap_ci(effects[metric], options.bootstrap, seed=options.seed)
+            for i, h in enumerate(heads):
+                columns[h][f"d_{short}_{scope_name}"] = mean[i].item()
+                columns[h][f"d_{short}_{scope_name}_lo"] = lo[i].item()
+                columns[h][f"d_{short}_{scope_name}_hi"] = hi[i].item()
+
+    if options.ablation in ("exact", "query", "atp"):
+        try:
+            from discovery.attribution import atp_effects
+        except ImportError:  # attribution screen not installed in this build
+            atp_effects = None
+        if atp_effects is not None:
+            if progress:
+                progress("attribution", 0, 1)
+            result = atp_effects(lm, batch, heads=heads, method="zero", scope=("all",), metric="logit_diff")
+            estimate = result.estimate.mean(-1)
+            for i, h in enumerate(result.heads):
+                columns[h]["atp_ld"] = estimate[i].item()
+
+    rows = []
+    checkpoint = lm.checkpoint_hash()
+    for h in heads:
+        row = {"model": lm.name, "checkpoint": checkpoint, "task": task_spec, "layer": h.layer, "head": h.index,
+               "kind": h.kind, "depth": _depth(h.layer, inv.n_layers)}
+        for key, value in columns[h].items():
+            row[key] = None if value is None or (isinstance(value, float) and math.isnan(value)) else value
+        rows.append(row)
+    frame = pl.DataFrame(rows, infer_schema_length=None)
+    summary = {"task": task_spec, "options": options.options_for(task_spec), "n_prompts": len(batch),
+               "clean": clean, "seconds": round(time.perf_counter() - started, 2),
+               "layer_rows": engine.layer_rows}
+    return frame, summary
+
+
+def top_effects(frame: pl.DataFrame, k: int = 10) -> list[dict[str, Any]]:
+    """The heads with the largest logit-difference drops (most negative effect), per task."""
+    column = next((c for c in ("d_ld_all", "d_ld_query", "atp_ld") if c in frame.columns), None)
+    if column is None:
+        return []
+    best = frame.filter(pl.col(column).is_not_null()).sort(column).head(k)
+    return [{"task": r["task"], "layer": r["layer"], "head": r["head"], "kind": r["kind"], "effect": r[column],
+             "effect_column": column} for r in best.iter_rows(named=True)]
+
+
+def scan_model(lm: LoadedModel, options: ScanOptions, *, layers: Sequence[int] | None = None,
+               progress: Progress | None = None) -> tuple[pl.DataFrame, dict[str, Any]]:
+    """Scan every task of ``options``; one table for all tasks and the model summary."""
+    frames, tasks = [], {}
+    for task in options.tasks:
+        frame, summary = scan_task(lm, task, options, layers=layers, progress=progress)
+        frames.append(frame)
+        tasks[task] = summary
+    heads = pl.concat(frames, how="diagonal_relaxed") if frames else pl.DataFrame()
+    summary = {
+        "model": lm.name, "spec": lm.spec, "checkpoint": lm.checkpoint_hash(),
+        "architecture": lm.inventory.architecture, "n_layers": lm.inventory.n_layers,
+        "n_heads": lm.inventory.n_heads(), "options": options.as_dict(), "tasks": tasks,
+        "top_effects": top_effects(heads), "table_version": TABLE_VERSION,
+    }
+    return heads, summary
+
+
+def write_scan(out_dir: str | Path, heads: pl.DataFrame, summary: dict[str, Any]) -> Path:
+    """Write ``heads.parquet`` and ``summary.json`` atomically into ``out_dir``."""
+    from discovery.io import write_json, write_parquet
+
+    out = Path(out_dir)
+    write_parquet(out / "heads.parquet", heads)
+    write_json(out / "summary.json", summary)
+    return out
