@@ -238,11 +238,15 @@ class AblationEngine:
                                                                       per_row_mean.repeat_interleave(p))
                 else:
                     config.proj_edits[(layer, kind)] = _replace_heads(edit_mask, group.width, None, None)
-            if knock:
-                if kind != "attn":
-                    raise NotImplementedError("edge knockout of SSM heads is not available yet")
+            if knock and kind == "attn":
                 config.prob_edits[layer] = _knockout_probs(knock, n, p, group.count,
                                                            self.classes["all"].shape[1], self.device)
+            elif knock:
+                holder: dict[str, object] = {}
+                mixer = self.lm.adapter.mixer(layer, kind)
+                config.mixer_sinks[layer] = _capture_components(mixer, holder)
+                previous = config.proj_edits.get((layer, kind))
+                config.proj_edits[(layer, kind)] = _knockout_ssm(mixer, holder, knock, p, group.width, previous)
         return config
 
     # -- running --------------------------------------------------------------------------------
@@ -317,5 +321,43 @@ def _knockout_probs(knock, n: int, p: int, n_heads: int, t: int, device) -> Call
 
     def edit(probs: torch.Tensor) -> torch.Tensor:  # [row, head, q, k]
         return probs.masked_fill(mask[:, :, -probs.shape[2]:, -probs.shape[3]:], 0.0)
+
+    return edit
+
+
+def _capture_components(mixer: torch.nn.Module, holder: dict) -> Callable:
+    """Mixer sink: recompute the SSM components of this pass's rows (for SSM edge knockout)."""
+    from . import ssm
+
+    def sink(hidden: torch.Tensor, mask: torch.Tensor | None) -> None:
+        holder["comp"] = ssm.ssm_components(mixer, hidden, mask)
+
+    return sink
+
+
+def _knockout_ssm(mixer: torch.nn.Module, holder: dict, knock, p: int, width: int,
+                  previous: Callable | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Out-projection edit for SSM edge knockout: remove the chosen implicit-attention entries from
+    the scan output, redo the mixer's gating/norm, and take only the knocked-out heads' columns
+    (the gated norm would otherwise leak the change into the other heads)."""
+    import dataclasses
+
+    from . import ssm
+
+    def edit(x: torch.Tensor) -> torch.Tensor:  # [row, pos, in]
+        if previous is not None:
+            x = previous(x)
+        comp = holder["comp"]
+        y = ssm.scan_output(comp)  # mamba2 [row, pos, head, d_head]; mamba1 [row, pos, channel]
+        delta = torch.zeros_like(y)
+        columns = torch.zeros(x.shape[0], x.shape[-1], dtype=torch.bool, device=x.device)  # [row, in]
+        for a, h, qmask, kmask in knock:
+            rows = slice(a * p, (a + 1) * p)
+            part = dataclasses.replace(comp, **{f: getattr(comp, f)[rows] for f in ("x", "B", "C", "dt", "gate")})
+            units = [h] if comp.family == "mamba2" else list(range(h * width, (h + 1) * width))
+            delta[rows] += ssm.knockout_delta(part, None, qmask, kmask, heads=units)
+            columns[rows, h * width:(h + 1) * width] = True
+        knocked = ssm.post_scan(mixer, y + delta, comp).to(x.dtype)  # [row, pos, in]
+        return torch.where(columns[:, None, :], knocked, x)
 
     return edit

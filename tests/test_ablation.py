@@ -100,3 +100,15 @@ def test_knockout_of_every_key_equals_query_zero_ablation(arch):
     _close(knock, zero_q)
     seg = engine.run(single_head_ablations(attn, "knockout", ("query",), keys=("segment",)))
     _close(seg, engine.run_naive(single_head_ablations(attn, "knockout", ("query",), keys=("segment",))))
+
+
+@pytest.mark.parametrize("arch", ["mamba2", "mamba", "bamba"])
+def test_ssm_edge_knockout_batched_equals_naive(arch):
+    """SSM knockout removes implicit-attention entries; batched rows match one forward per ablation."""
+    lm = load_model(f"tiny:{arch}")
+    engine = AblationEngine(lm, annotate(mc_prompts(3), lm.tokenizer, padding_side="left"))
+    heads = [h for h in engine.inventory.heads("ssm") if h.index < 2]
+    ablations = single_head_ablations(heads, "knockout", ("query",), keys=("segment", "label"))
+    batched = engine.run(ablations)
+    _close(batched, engine.run_naive(ablations))
+    assert (batched.logit_diff - engine.clean.logit_diff).abs().max() > 1e-5
