@@ -105,6 +105,37 @@ def query_scores(query_logits: torch.Tensor, batch: AnnotatedBatch) -> Scores:
     return Scores(*(torch.stack([p[m].float() for p in parts]) for m in METRICS))
 
 
+def class_means(x: torch.Tensor, classes: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Mean of ``x`` ``[prompt, pos, in]`` per position class (MEAN_CLASSES order): ``[class, in]``.
+
+    Each real position counts in the first class it belongs to; an empty class takes the mean over
+    every real position. Shared by the engine and the attribution screen.
+    """
+    means = []
+    taken = torch.zeros_like(classes["all"])
+    for name in MEAN_CLASSES:
+        sel = classes[name] & ~taken & classes["all"]
+        taken |= sel
+        means.append(x[sel].mean(0) if sel.any() else x[classes["all"]].mean(0))
+    return torch.stack(means)  # [class, in]
+
+
+def class_index(classes: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``[prompt, pos]`` index into MEAN_CLASSES (first class that applies)."""
+    index = torch.full_like(classes["all"], len(MEAN_CLASSES) - 1, dtype=torch.long)
+    for i in reversed(range(len(MEAN_CLASSES))):
+        index[classes[MEAN_CLASSES[i]]] = i
+    return index
+
+
+def scope_positions(classes: dict[str, torch.Tensor], scope: Sequence[str]) -> torch.Tensor:
+    """``[prompt, pos]`` bool: the real positions in any of the ``scope`` classes."""
+    mask = torch.zeros_like(classes["all"])
+    for name in scope:
+        mask |= classes[name]
+    return mask & classes["all"]
+
+
 @dataclass
 class _Plan:
     """Edits of one chunk: rows are ablation-major (row = ablation * n_prompts + prompt)."""
@@ -132,6 +163,8 @@ class AblationEngine:
         self._accepts_position_ids = "position_ids" in inspect.signature(self.model.forward).parameters
         self.max_rows = max_rows or self._rows_for_budget(max_memory_mb)
         self._means: dict[tuple[int, str], torch.Tensor] = {}
+        self._cache = None  # clean keys/values of the prefix, for the query fast path
+        self.n_positions = int(self.batch.input_ids.shape[1])
         self.intervener.learn_layer_output_format(self.batch.input_ids)
         self.hidden: dict[int, torch.Tensor] = {}  # layer -> clean output [prompt, pos, d_model]
         self.layer_rows = 0  # prompt-rows × layers recomputed so far: cost in units of one layer on one prompt
@@ -166,6 +199,42 @@ class AblationEngine:
         self.layer_rows += repeat * self.n_prompts * n_layers
         return out.logits[:, -1, :].float()
 
+    @property
+    def query_fast_path(self) -> bool:
+        """Query-position ablations reuse the clean keys/values: later layers process one token.
+
+        Used for attention-only models (every head reads earlier positions only through the KV
+        cache); SSM and hybrid models take the full-sequence path, which gives the same numbers.
+        """
+        return all(g.pattern == "attention" for g in self.inventory.groups)
+
+    def _prefix_cache(self):
+        """Keys/values of every layer for all but the last position (computed once)."""
+        if self._cache is None:
+            inputs = self._inputs(1)
+            inputs = {k: (v[:, :-1] if k != "use_cache" and k != "logits_to_keep" else v) for k, v in inputs.items()}
+            inputs["use_cache"] = True
+            with torch.no_grad():
+                self._cache = self.model(**inputs).past_key_values
+        return self._cache
+
+    def _forward_last(self, repeat: int, config: PassConfig) -> torch.Tensor:
+        """Logits at the last position with only the last token recomputed, ``[repeat * prompt, vocab]``."""
+        import copy
+
+        cache = copy.deepcopy(self._prefix_cache())
+        cache.reorder_cache(torch.arange(repeat * self.n_prompts, device=self.device) % self.n_prompts)
+        inputs = self._inputs(repeat)
+        inputs["input_ids"] = inputs["input_ids"][:, -1:]
+        if "position_ids" in inputs:
+            inputs["position_ids"] = inputs["position_ids"][:, -1:]
+        cache_arg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        inputs.update({cache_arg: cache, "use_cache": True})
+        with torch.no_grad(), self.intervener.run(config):
+            out = self.model(**inputs)
+        self.layer_rows += repeat * self.n_prompts * (self.inventory.n_layers - config.start_layer) / self.n_positions
+        return out.logits[:, -1, :].float()
+
     def _clean_pass(self) -> Scores:
         sinks = {i: (lambda h, i=i: self.hidden.__setitem__(i, h.detach())) for i in range(self.inventory.n_layers)}
         logits = self._forward(1, PassConfig(layer_sinks=sinks))
@@ -184,28 +253,14 @@ class AblationEngine:
 
             with torch.no_grad(), self.intervener.run(PassConfig(proj_edits={key: grab})):
                 self.model(**self._inputs(1))
-            x = captured[0]  # [prompt, pos, in]
-            means = []
-            taken = torch.zeros_like(self.classes["all"])
-            for name in MEAN_CLASSES:
-                sel = self.classes[name] & ~taken & self.classes["all"]
-                taken |= sel
-                means.append(x[sel].mean(0) if sel.any() else x[self.classes["all"]].mean(0))
-            self._means[key] = torch.stack(means)  # [class, in]
+            self._means[key] = class_means(captured[0], self.classes)  # [class, in]
         return self._means[key]
 
     def _class_index(self) -> torch.Tensor:
-        """``[prompt, pos]`` index into MEAN_CLASSES (first class that applies)."""
-        index = torch.full_like(self.classes["all"], len(MEAN_CLASSES) - 1, dtype=torch.long)
-        for i in reversed(range(len(MEAN_CLASSES))):
-            index[self.classes[MEAN_CLASSES[i]]] = i
-        return index
+        return class_index(self.classes)
 
     def _positions(self, scope: Sequence[str]) -> torch.Tensor:
-        mask = torch.zeros_like(self.classes["all"])
-        for name in scope:
-            mask |= self.classes[name]
-        return mask & self.classes["all"]  # [prompt, pos]
+        return scope_positions(self.classes, scope)
 
     def _plan(self, ablations: list[Ablation]) -> PassConfig:
         """Edit functions for a chunk of ablations (rows ablation-major)."""
@@ -234,10 +289,10 @@ class AblationEngine:
                 if "mean" in methods:
                     per_row_mean = torch.tensor([abl.method == "mean" for abl in ablations], device=self.device)
                     means = self._mean_values(layer, kind)[self._class_index()]  # [prompt, pos, in]
-                    config.proj_edits[(layer, kind)] = _replace_heads(edit_mask, group.width, means,
+                    config.proj_edits[(layer, kind)] = replace_heads(edit_mask, group.width, means,
                                                                       per_row_mean.repeat_interleave(p))
                 else:
-                    config.proj_edits[(layer, kind)] = _replace_heads(edit_mask, group.width, None, None)
+                    config.proj_edits[(layer, kind)] = replace_heads(edit_mask, group.width, None, None)
             if knock and kind == "attn":
                 config.prob_edits[layer] = _knockout_probs(knock, n, p, group.count,
                                                            self.classes["all"].shape[1], self.device)
@@ -266,10 +321,12 @@ class AblationEngine:
                    and ablations[order[start + len(chunk)]].first_layer == layer):
                 chunk.append(order[start + len(chunk)])
             config = self._plan([ablations[i] for i in chunk])
+            last_only = self.query_fast_path and all(ablations[i].scope == ("query",) for i in chunk)
             if layer > 0:
                 config.start_layer = layer
-                config.start_hidden = self.hidden[layer - 1].repeat(len(chunk), 1, 1)
-            logits = self._forward(len(chunk), config)
+                hidden = self.hidden[layer - 1][:, -1:] if last_only else self.hidden[layer - 1]
+                config.start_hidden = hidden.repeat(len(chunk), 1, 1)
+            logits = self._forward_last(len(chunk), config) if last_only else self._forward(len(chunk), config)
             scores = query_scores(logits.view(len(chunk), self.n_prompts, -1), self.batch)
             for j, i in enumerate(chunk):
                 results[i] = Scores(*(scores[m][j : j + 1] for m in METRICS))
@@ -292,7 +349,7 @@ class AblationEngine:
         return Scores(*(scores[m] - self.clean[m] for m in METRICS))
 
 
-def _replace_heads(edit_mask: torch.Tensor, width: int, means: torch.Tensor | None,
+def replace_heads(edit_mask: torch.Tensor, width: int, means: torch.Tensor | None,
                    mean_rows: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
     """An out-projection input edit: the masked heads' columns become 0 (or the class mean)."""
 
