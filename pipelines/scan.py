@@ -92,8 +92,8 @@ def _pattern_metrics(lm: LoadedModel, batch: AnnotatedBatch, groups: list[HeadGr
         sub = batch.select(rows)
         pattern = pattern.float()
         out = parts.setdefault((group.layer, group.kind), {})
-        for name in PATTERN_METRICS:
-            out.setdefault(name, []).append(getattr(metrics, name)(pattern, sub).cpu())
+        for name, values in metrics.pattern_metrics(pattern, sub).items():
+            out.setdefault(name, []).append(values.cpu())
         done[0] += 1
         if progress:
             progress("patterns", done[0], total)
@@ -136,7 +136,8 @@ def _dla(lm: LoadedModel, batch: AnnotatedBatch, groups: list[HeadGroup]) -> dic
         key = (g.layer, g.kind)
         heads = metrics.head_outputs(captured[key].float(), lm.adapter.out_proj_weight(g.layer, g.kind).float(),
                                      g.count, g.width)  # [batch, head, d_model]
-        values = metrics.dla(heads * scale[:, None, :], unembed, part.cand_first_token, part.gold, None)
+        values = metrics.dla(heads * scale[:, None, :], unembed, part.cand_first_token, part.gold, None,
+                             center=isinstance(norm, torch.nn.LayerNorm), cand_mask=part.cand_mask)
         out[key] = torch.nanmean(values.cpu(), dim=0)
     return out
 
