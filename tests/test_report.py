@@ -1,0 +1,143 @@
+"""The per-model report: content from a real scan of a tiny model, escaping, figures, rebuilds."""
+from __future__ import annotations
+
+import base64
+import json
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from synthetic import synthetic_heads, synthetic_summary, write_synthetic_scan  # noqa: E402
+
+from discovery.report import load_example, read_scan, save_example, write_report  # noqa: E402
+from pipelines.cli import main  # noqa: E402
+
+EVIL = "<script>alert(1)</script>"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def tiny_scan(tmp_path_factory):
+    """A real scan of tiny:llama (8 prompts of mc) and the loaded model."""
+    from discovery.loading import load_model
+    from pipelines.scan import ScanOptions, scan_model, write_scan
+
+    lm = load_model("tiny:llama")
+    heads, summary = scan_model(lm, ScanOptions(prompts=8, bootstrap=200))
+    out = write_scan(tmp_path_factory.mktemp("scan"), heads, summary)
+    return out, lm
+
+
+def _images(html_text: str) -> list[bytes]:
+    return [base64.b64decode(m) for m in re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', html_text)]
+
+
+def test_report_of_a_real_scan_has_every_part(tiny_scan):
+    out, lm = tiny_scan
+    path = write_report(out, lm)
+    html_text = path.read_text()
+    md = (out / "report.md").read_text()
+    # clean scores from summary.json appear in both documents
+    summary = json.loads((out / "summary.json").read_text())
+    acc = summary["tasks"]["mc"]["clean"]["acc"]
+    assert f"{acc:.3f}" in html_text and f"{acc:.3f}" in md
+    for title in ("Clean scores", "Top G&amp;A pairs", "Heads with the largest effects", "G&amp;A depth profile",
+                  "Layer × head maps", "Example attention patterns", "placement advice"):
+        assert title in html_text, title
+    # figures: PNG files on disk, the same images embedded (self-contained: no external src)
+    figures = sorted((out / "figures").glob("*.png"))
+    names = {f.stem for f in figures}
+    assert {"depth_profile_0", "heatmap_0_attn", "example_patterns"} <= names
+    embedded = _images(html_text)
+    assert len(embedded) == len(figures)
+    assert all(img.startswith(PNG_MAGIC) for img in embedded)
+    assert {img for img in embedded} == {f.read_bytes() for f in figures}
+    assert not re.search(r'src="(?!data:)', html_text)
+    for f in figures:
+        assert f"figures/{f.name}" in md
+    # the head with the largest drop is listed first in the effects table
+    frame = pl.read_parquet(out / "heads.parquet")
+    top = frame.sort("d_ld_all").row(0, named=True)
+    assert f"L{top['layer']}H{top['head']}" in html_text
+    # the example pattern was saved without pickle and matches the model's own attention rows
+    example = load_example(out / "patterns.npz")
+    assert example["patterns"].ndim == 3 and example["patterns"].shape[0] == 2
+    q = example["query_pos"]
+    np.testing.assert_allclose(example["patterns"][:, q, : q + 1].sum(-1), 1.0, atol=1e-4)
+    assert example["tokens"][q] == ":"  # "...Answer:" ends the prompt
+    assert all(example["tokens"][p] == "\n" for p in example["summary_pos"])
+
+
+def test_rebuild_without_the_model_reuses_saved_patterns(tiny_scan, tmp_path):
+    out, lm = tiny_scan
+    write_report(out, lm)
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for name in ("heads.parquet", "summary.json", "patterns.npz"):
+        (copy / name).write_bytes((out / name).read_bytes())
+    summary = json.loads((copy / "summary.json").read_text())
+    summary["spec"] = "/nowhere/big-model"  # not loadable: the figure must come from patterns.npz
+    (copy / "summary.json").write_text(json.dumps(summary))
+    assert main(["report", str(copy)]) == 0
+    assert (copy / "figures" / "example_patterns.png").read_bytes() == (out / "figures" / "example_patterns.png").read_bytes()
+
+
+def test_every_string_from_models_and_tokens_is_escaped(tmp_path):
+    out = write_synthetic_scan(tmp_path / "scan", model=EVIL)
+    summary = json.loads((out / "summary.json").read_text())
+    summary["architecture"] = EVIL
+    summary["tasks"] = {EVIL: summary["tasks"]["mc"]}
+    (out / "summary.json").write_text(json.dumps(summary))
+    frame = pl.read_parquet(out / "heads.parquet").with_columns(pl.lit(EVIL).alias("task"))
+    frame.write_parquet(out / "heads.parquet")
+    n = 12
+    save_example(out / "patterns.npz", {
+        "task": EVIL, "prompt_index": 0, "tokens": ["Q", EVIL, "\n", "a", "\n", "Answer", ":", "x", "y", "z", "w", "v"],
+        "patterns": np.tril(np.ones((2, n, n), dtype=np.float32)), "layers": [2, 3], "heads": [1, 2],
+        "kinds": ["attn", "attn"], "roles": ["gather", "aggregate"], "names": [EVIL, "L3H2"],
+        "summary_pos": [2, 4], "query_pos": 6, "gold_segment": 0})
+    write_report(out)
+    html_text = (out / "report.html").read_text()
+    md = (out / "report.md").read_text()
+    assert "<script" not in html_text.lower()
+    assert "<script" not in md.lower()
+    escaped = "&lt;script&gt;alert(1)&lt;/script&gt;"
+    assert html_text.count(escaped) >= 5  # title, header, task rows, example tokens, head names
+    assert escaped in md
+    # the token itself is shown in the example prompt's token list
+    assert re.search(r"<pre>[^<]*" + re.escape(escaped), html_text)
+    assert (out / "figures" / "example_patterns.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_hybrid_gets_separate_attention_and_ssm_maps(tmp_path):
+    out = tmp_path / "hybrid"
+    out.mkdir()
+    heads = synthetic_heads("hybrid", ssm_layers=(0, 2, 4), gather=(2, 1), aggregate=(3, 2))
+    heads.write_parquet(out / "heads.parquet")
+    summary = synthetic_summary("hybrid", architecture="bamba", ssm_heads=12)
+    (out / "summary.json").write_text(json.dumps(summary))
+    write_report(out)
+    names = {p.stem for p in (out / "figures").glob("*.png")}
+    assert {"heatmap_0_attn", "heatmap_0_ssm"} <= names
+    md = (out / "report.md").read_text()
+    assert "Skipped: the example attention pattern needs the model" in md
+    # placement: the SSM gather head's layer gets "insert attention", the attention aggregate layer "keep"
+    assert re.search(r"\| L2S1 \| insert attention \|", md)
+    assert re.search(r"\| L3H2 \| keep attention \|", md)
+
+
+def test_report_errors_are_one_line(tmp_path, capsys):
+    assert main(["report", str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not a scan directory" in err[0]
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "heads.parquet").write_bytes(b"not parquet")
+    (tmp_path / "bad" / "summary.json").write_text("{}")
+    with pytest.raises(Exception) as info:
+        read_scan(tmp_path / "bad")
+    assert "cannot read the scan" in str(info.value)
