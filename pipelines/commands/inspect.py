@@ -22,9 +22,10 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(inv.as_json(), indent=2))
         return 0
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
-    table = Table(title=f"{lm.name} — {inv.architecture}, {inv.n_layers} layers")
+    table = Table(title=f"{escape(lm.name)} — {inv.architecture}, {inv.n_layers} layers")
     table.add_column("layer", justify="right")
     table.add_column("kinds")
     table.add_column("attn heads", justify="right")
@@ -36,5 +37,5 @@ def run(args: argparse.Namespace) -> int:
                       str(layer["heads"]["ssm"]), widths)
     totals = inv.n_heads()
     table.add_row("total", "", str(totals["attn"]), str(totals["ssm"]), "", style="bold")
-    Console().print(table)
+    Console(emoji=False).print(table)
     return 0

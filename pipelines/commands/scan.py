@@ -52,12 +52,13 @@ def model_task_defaults(lm) -> dict[str, dict[str, Any]]:
 
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
+    from rich.markup import escape
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from discovery.tasks import load_task_options, parse_task_options, split_spec
     from pipelines.scan import ScanOptions, scan_model, write_scan
 
-    console = Console(stderr=True)
+    console = Console(stderr=True, emoji=False)
     tasks = args.task or ["mc"]
     given = parse_task_options(args.task_option or [])
     options_by_task: dict[str, dict[str, Any]] = {}
@@ -72,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
         options_by_task[task] = opts
     options = ScanOptions(tasks=tasks, task_options=options_by_task, ablation=args.ablation,
                           prompts=args.prompts, seed=args.seed, max_memory_mb=args.max_memory)
-    console.print(f"[bold]{lm.name}[/bold]: {lm.inventory.architecture}, {lm.inventory.n_layers} layers, "
+    console.print(f"[bold]{escape(lm.name)}[/bold]: {lm.inventory.architecture}, {lm.inventory.n_layers} layers, "
                   f"{sum(lm.inventory.n_heads().values())} heads; tasks {', '.join(tasks)}")
     columns = (TextColumn("{task.description:<22}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                TimeElapsedColumn(), TimeRemainingColumn())

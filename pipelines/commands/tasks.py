@@ -65,7 +65,7 @@ def run_list(args: argparse.Namespace) -> int:
 
     from discovery.tasks import TASKS, get_task_class
 
-    console = Console()
+    console = Console(emoji=False)
     for name in TASKS.names():
         cls = get_task_class(name)
         files = f" — also {name}:PATH" if cls.accepts_file and name != "jsonl" else ""
@@ -113,7 +113,7 @@ def run_show(args: argparse.Namespace) -> int:
     shown = prompts[: args.n]
     tokenizer, tok_name = _tokenizer(args, prompts)
     batch = annotate(shown, tokenizer, padding_side=args.padding_side, max_length=args.max_length)
-    console = Console(highlight=False)
+    console = Console(highlight=False, emoji=False)
     console.print(f"[bold]{task.name}[/bold] — {len(prompts)} prompts, showing {len(shown)}; {tok_name}; "
                   f"scoring: {batch.scoring}")
     console.print("options: " + ", ".join(f"{k}={v!r}" for k, v in task.options.items()))

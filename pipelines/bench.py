@@ -1,0 +1,126 @@
+"""``gascan bench``: the sweep's cost against the naive loop, measured in one run.
+
+For each model: one clean forward over the prompts is the unit (a forward-equivalent). The naive
+loop (one full forward per head with a hook, as the papers' notebooks do), the engine's exact
+all-position sweep, its query-position sweep and the attribution screen are each timed (wall
+clock, peak resident memory above the baseline) on the same heads and prompts, and the engine's
+effects are compared with the naive loop's (max |Δ logit diff|). Cost is reported two ways:
+wall-time ratio to the naive loop, and compute in forward-equivalents counted by the engine
+(layer-rows recomputed ÷ layers × prompts; a query-position row counts 1/positions).
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from discovery.ablation import AblationEngine, single_head_ablations
+from discovery.heads import HeadId
+from discovery.intervene import PassConfig
+from discovery.loading import LoadedModel
+
+
+class PeakMemory:
+    """Peak resident memory (MiB above the start) of this process while the block runs."""
+
+    def __init__(self, interval: float = 0.01) -> None:
+        self.interval = interval
+        self.peak_mb = 0.0
+        self._stop = threading.Event()
+
+    @staticmethod
+    def rss_mb() -> float:
+        with open("/proc/self/statm") as handle:
+            return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            self.peak_mb = max(self.peak_mb, self.rss_mb() - self.base)
+            time.sleep(self.interval)
+
+    def __enter__(self) -> PeakMemory:
+        self.base = self.rss_mb()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak_mb = max(self.peak_mb, self.rss_mb() - self.base)
+
+
+@dataclass
+class Measure:
+    name: str
+    seconds: float
+    peak_mb: float
+    forward_equivalents: float | None
+    max_diff: float | None
+
+
+def _timed(fn: Callable[[], Any]) -> tuple[Any, float, float]:
+    with PeakMemory() as mem:
+        start = time.perf_counter()
+        out = fn()
+        seconds = time.perf_counter() - start
+    return out, seconds, mem.peak_mb
+
+
+def bench_model(lm: LoadedModel, batch, heads: list[HeadId], *, max_memory_mb: float | None = None,
+                log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Measure naive loop, exact sweep, query sweep and AtP on ``heads``; returns a JSON-able dict."""
+    torch.manual_seed(0)
+    engine, t_setup, _ = _timed(lambda: AblationEngine(lm, batch, max_memory_mb=max_memory_mb))
+    n_layers, n_prompts = lm.inventory.n_layers, len(batch)
+    unit = n_layers * n_prompts  # layer-rows of one clean forward over the prompts
+
+    def clean_forward():
+        return engine._forward(1, PassConfig())
+
+    _, t_clean, _ = _timed(clean_forward)
+    _, t_clean, _ = _timed(clean_forward)  # warm
+    results: dict[str, Measure] = {}
+    naive_scores = {}
+    for name, scope in (("all", ("all",)), ("query", ("query",))):
+        ablations = single_head_ablations(heads, "zero", scope)
+        engine.layer_rows = 0
+        naive, t_naive, m_naive = _timed(lambda: engine.run_naive(ablations))
+        naive_cost = engine.layer_rows / unit
+        engine.layer_rows = 0
+        fast, t_fast, m_fast = _timed(lambda: engine.run(ablations))
+        fast_cost = engine.layer_rows / unit
+        diff = float((fast.logit_diff - naive.logit_diff).abs().max())
+        results[f"naive_{name}"] = Measure(f"naive loop ({name})", t_naive, m_naive, naive_cost, None)
+        results[f"sweep_{name}"] = Measure(f"engine sweep ({name})", t_fast, m_fast, fast_cost, diff)
+        naive_scores[name] = naive
+        log(f"  {name}: naive {t_naive:.2f}s, engine {t_fast:.2f}s, max |Δ| {diff:.2e}")
+    try:
+        from discovery.attribution import atp_effects
+    except ImportError:
+        atp_effects = None
+    if atp_effects is not None:
+        atp, t_atp, m_atp = _timed(lambda: atp_effects(lm, batch, heads=heads, method="zero", scope=("all",)))
+        results["atp"] = Measure("attribution screen (AtP)", t_atp, m_atp, float(getattr(atp, "passes", 0)) or None,
+                                 None)
+    out = {
+        "model": lm.name, "n_layers": n_layers, "n_prompts": n_prompts, "positions": engine.n_positions,
+        "heads": len(heads), "clean_forward_s": t_clean, "engine_setup_s": t_setup,
+        "max_memory_mb": max_memory_mb,
+        "measures": {k: vars(v) for k, v in results.items()},
+        "ratios": {
+            "exact_vs_naive_wall": results["sweep_all"].seconds / results["naive_all"].seconds,
+            "exact_vs_naive_compute": results["sweep_all"].forward_equivalents / results["naive_all"].forward_equivalents,
+            "query_vs_naive_wall": results["sweep_query"].seconds / results["naive_all"].seconds,
+            "query_vs_naive_compute": results["sweep_query"].forward_equivalents
+            / results["naive_all"].forward_equivalents,
+        },
+    }
+    if "atp" in results:
+        out["ratios"]["atp_forward_equivalents_wall"] = results["atp"].seconds / t_clean
+    return out
