@@ -256,21 +256,22 @@ class AblationEngine:
             self._means[key] = class_means(captured[0], self.classes)  # [class, in]
         return self._means[key]
 
-    def _class_index(self) -> torch.Tensor:
-        return class_index(self.classes)
+    def plan(self, ablations: Sequence[Ablation], rows: slice | None = None) -> PassConfig:
+        """The Intervener edits that apply ``ablations`` to the prompts ``rows`` of this batch (default all),
+        rows ablation-major. Callers that run their own passes (patterns under an ablation, pair tests)
+        use this instead of writing edits of their own."""
+        return self._plan(list(ablations), rows)
 
-    def _positions(self, scope: Sequence[str]) -> torch.Tensor:
-        return scope_positions(self.classes, scope)
-
-    def _plan(self, ablations: list[Ablation]) -> PassConfig:
+    def _plan(self, ablations: list[Ablation], rows: slice | None = None) -> PassConfig:
         """Edit functions for a chunk of ablations (rows ablation-major)."""
-        n, p = len(ablations), self.n_prompts
+        classes = self.classes if rows is None else {k: v[rows] for k, v in self.classes.items()}
+        n, p = len(ablations), int(classes["all"].shape[0])
         config = PassConfig()
         touched = sorted({(h.layer, h.kind) for a in ablations for h in a.heads})
         for layer, kind in touched:
             group = self.inventory.group(layer, kind)
             # [row, pos, head] bool: which head outputs to edit where
-            proj_mask = torch.zeros(n, p, self.classes["all"].shape[1], group.count, dtype=torch.bool,
+            proj_mask = torch.zeros(n, p, classes["all"].shape[1], group.count, dtype=torch.bool,
                                     device=self.device)
             knock: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []  # (ablation, head, q mask, k mask)
             for a, abl in enumerate(ablations):
@@ -279,23 +280,23 @@ class AblationEngine:
                     continue
                 if abl.method == "knockout":
                     for h in heads:
-                        knock.append((a, h, self._positions(abl.scope), self._positions(abl.keys)))
+                        knock.append((a, h, scope_positions(classes, abl.scope), scope_positions(classes, abl.keys)))
                 else:
-                    pos = self._positions(abl.scope)  # [prompt, pos]
+                    pos = scope_positions(classes, abl.scope)  # [prompt, pos]
                     proj_mask[a][:, :, heads] = pos[:, :, None]
             methods = {abl.method for abl in ablations}
             if proj_mask.any():
                 edit_mask = proj_mask.reshape(n * p, -1, group.count)
                 if "mean" in methods:
                     per_row_mean = torch.tensor([abl.method == "mean" for abl in ablations], device=self.device)
-                    means = self._mean_values(layer, kind)[self._class_index()]  # [prompt, pos, in]
+                    means = self._mean_values(layer, kind)[class_index(classes)]  # [prompt, pos, in]
                     config.proj_edits[(layer, kind)] = replace_heads(edit_mask, group.width, means,
                                                                       per_row_mean.repeat_interleave(p))
                 else:
                     config.proj_edits[(layer, kind)] = replace_heads(edit_mask, group.width, None, None)
             if knock and kind == "attn":
-                config.prob_edits[layer] = _knockout_probs(knock, n, p, group.count,
-                                                           self.classes["all"].shape[1], self.device)
+                config.prob_edits[layer] = _knockout_probs(knock, n, p, group.count, classes["all"].shape[1],
+                                                           self.device)
             elif knock:
                 holder: dict[str, object] = {}
                 mixer = self.lm.adapter.mixer(layer, kind)

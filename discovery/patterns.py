@@ -33,8 +33,13 @@ def model_inputs(model: torch.nn.Module, batch: AnnotatedBatch) -> dict[str, tor
 
 def for_each_pattern(lm: LoadedModel, batch: AnnotatedBatch, sink: PatternSink, *,
                      layers: Iterable[int] | None = None, kinds: Iterable[str] = ("attn", "ssm"),
-                     chunk_prompts: int = 8) -> None:
-    """Call ``sink`` once per (layer, kind, prompt chunk) with that group's patterns."""
+                     chunk_prompts: int = 8, edits_for: Callable[[slice], PassConfig] | None = None) -> None:
+    """Call ``sink`` once per (layer, kind, prompt chunk) with that group's patterns.
+
+    ``edits_for(rows)`` optionally returns the Intervener edits to apply to those prompts (e.g.
+    ``lambda rows: engine.plan([Ablation((gather_head,))], rows)``): patterns under an ablation, for
+    the pair interaction test.
+    """
     from . import ssm
 
     wanted_layers = set(range(lm.inventory.n_layers) if layers is None else layers)
@@ -44,7 +49,7 @@ def for_each_pattern(lm: LoadedModel, batch: AnnotatedBatch, sink: PatternSink, 
     for start in range(0, len(batch), chunk_prompts):
         rows = slice(start, min(start + chunk_prompts, len(batch)))
         part = batch.select(rows).to(device)
-        config = PassConfig()
+        config = edits_for(rows) if edits_for is not None else PassConfig()
         for group in groups:
             if group.pattern == "attention":
                 config.prob_sinks[group.layer] = lambda p, g=group, r=rows: sink(g, r, p.detach(), {})

@@ -113,3 +113,29 @@ def test_ssm_edge_knockout_batched_equals_naive(arch):
     _close(batched, engine.run_naive(ablations))
     if arch != "bamba":  # bamba's random init gives SSM paths too small to move the logits measurably
         assert (batched.logit_diff - engine.clean.logit_diff).abs().max() > 1e-5
+
+
+def test_patterns_under_an_ablation_use_the_engine_plan():
+    """Zeroing a layer-0 head through engine.plan changes later patterns exactly as a weight edit does."""
+    from discovery.patterns import collect_patterns, for_each_pattern
+
+    lm = load_model("tiny:llama")
+    batch = annotate(mc_prompts(4), lm.tokenizer, padding_side="left")
+    engine = AblationEngine(lm, batch)
+    head = lm.inventory.heads()[0]
+    seen = []
+    for_each_pattern(lm, batch, lambda g, r, p, e: seen.append(p), layers=[1], chunk_prompts=3,
+                     edits_for=lambda rows: engine.plan([Ablation((head,))], rows))
+    under = torch.cat(seen)
+    model = copy.deepcopy(lm.model)
+    with torch.no_grad():
+        model.get_submodule(lm.inventory.group(0, "attn").out_proj).weight[:, lm.inventory.group(0, "attn").columns(0)] = 0
+    twin = copy.copy(lm)
+    twin.model = model
+    from discovery.models.adapter import adapter_for
+
+    twin.adapter = adapter_for(model)
+    reference = collect_patterns(twin, batch, layers=[1])[(1, "attn")]
+    clean = collect_patterns(lm, batch, layers=[1])[(1, "attn")]
+    assert torch.allclose(under, reference, atol=1e-6)
+    assert (under - clean).abs().max() > 1e-4
