@@ -1,0 +1,123 @@
+"""Ground truth for a model small enough to ablate exhaustively (the toy models, planted circuits).
+
+Every head is zero-ablated alone, at all positions, at the query position only and at the segment
+positions only; its pattern metrics are computed; and every candidate gather→aggregate pair is put
+through the interaction test (ablate the gather head at the segment positions, watch the aggregate
+head's ``agg_select``). The rules are deliberately simple and written down, so the truth does not
+depend on the classifier it is used to train and test:
+
+- a head *breaks the task* when ablating it everywhere costs at least ``break_fraction`` of the clean
+  logit difference (or ``break_acc`` accuracy);
+- it *aggregates* when it breaks the task, its effect lives at the query position (at least half the
+  break threshold there) and its query attends selectively to the gold segment (``agg_select``);
+- it *gathers* when it breaks the task, its effect lives at the segment positions, its summary tokens
+  attend within their own segment (``gather_score``), and a later aggregate head loses selectivity
+  when it is ablated (the pair is then *confirmed*).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from .ablation import Ablation, AblationEngine, single_head_ablations
+from .heads import HeadId
+from .loading import LoadedModel
+from .patterns import for_each_pattern
+from .tasks.base import AnnotatedBatch
+
+
+@dataclass(frozen=True)
+class TruthRules:
+    """Thresholds of the ground-truth labels (see the module docstring)."""
+
+    break_fraction: float = 0.2
+    break_acc: float = 0.1
+    agg_select: float = 0.5
+    gather_score: float = 0.3
+    interaction_drop: float = 0.2
+
+
+def _metric_table(lm: LoadedModel, batch: AnnotatedBatch, edits_for=None, layers=None) -> dict[HeadId, dict[str, float]]:
+    from . import metrics
+
+    parts: dict[tuple[int, str], dict[str, list[torch.Tensor]]] = {}
+
+    def sink(group, rows, pattern, extras):
+        found = metrics.pattern_metrics(pattern.float(), batch.select(rows))
+        for name, values in found.items():
+            parts.setdefault((group.layer, group.kind), {}).setdefault(name, []).append(values.cpu())
+
+    for_each_pattern(lm, batch, sink, layers=layers, edits_for=edits_for)
+    out: dict[HeadId, dict[str, float]] = {}
+    for (layer, kind), named in parts.items():
+        summary = metrics.summarise({k: torch.cat(v) for k, v in named.items()})
+        for name, values in summary.items():
+            for index, value in enumerate(values.tolist()):
+                out.setdefault(HeadId(layer, index, kind), {})[name] = value
+    return out
+
+
+def ground_truth(lm: LoadedModel, batch: AnnotatedBatch, rules: TruthRules = TruthRules()) -> dict[str, Any]:
+    """Exhaustive single-head evidence and the labels it implies (JSON-ready)."""
+    engine = AblationEngine(lm, batch)
+    heads = lm.inventory.heads()
+    clean_ld = float(engine.clean.logit_diff.mean())
+    clean_acc = float(engine.clean.acc.mean())
+    effects: dict[str, dict[str, torch.Tensor]] = {}
+    for scope in ("all", "query", "segment"):
+        eff = engine.effects(single_head_ablations(heads, "zero", (scope,)))
+        effects[scope] = {"ld": eff.logit_diff.mean(1), "acc": eff.acc.mean(1)}
+    pattern = _metric_table(lm, batch)
+    threshold = rules.break_fraction * abs(clean_ld)
+    rows = []
+    for i, h in enumerate(heads):
+        m = pattern.get(h, {})
+        row = {"layer": h.layer, "head": h.index, "kind": h.kind,
+               **{f"d_ld_{s}": float(effects[s]["ld"][i]) for s in effects},
+               **{f"d_acc_{s}": float(effects[s]["acc"][i]) for s in effects},
+               **{k: (None if v != v else float(v)) for k, v in m.items()}}
+        breaks = row["d_ld_all"] <= -threshold or row["d_acc_all"] <= -rules.break_acc
+        row["breaks_task"] = bool(breaks)
+        row["aggregate"] = bool(breaks and row["d_ld_query"] <= -threshold / 2
+                                and (row.get("agg_select") or 0.0) >= rules.agg_select)
+        row["gather_candidate"] = bool(breaks and row["d_ld_segment"] <= -threshold / 2
+                                       and (row.get("gather_score") or 0.0) >= rules.gather_score)
+        rows.append(row)
+    aggregates = [HeadId(r["layer"], r["head"], r["kind"]) for r in rows if r["aggregate"]]
+    pairs = []
+    for r in rows:
+        if not r["gather_candidate"]:
+            continue
+        g = HeadId(r["layer"], r["head"], r["kind"])
+        later = [a for a in aggregates if a.layer > g.layer]
+        if not later:
+            continue
+        under = _metric_table(lm, batch, layers=sorted({a.layer for a in later}),
+                              edits_for=lambda rows, g=g: engine.plan([Ablation((g,), "zero", ("segment",))], rows))
+        for a in later:
+            before = pattern[a]["agg_select"]
+            after = under[a]["agg_select"]
+            pairs.append({"gather": g.as_dict(), "aggregate": a.as_dict(), "agg_select_clean": before,
+                          "agg_select_without_gather": after, "confirmed": bool(before - after >= rules.interaction_drop)})
+    confirmed = {(p["gather"]["layer"], p["gather"]["head"], p["gather"]["kind"]) for p in pairs if p["confirmed"]}
+    for r in rows:
+        r["gather"] = bool(r["gather_candidate"] and (r["layer"], r["head"], r["kind"]) in confirmed)
+        r["role"] = "aggregate" if r["aggregate"] else "gather" if r["gather"] else (
+            "other_important" if r["breaks_task"] else "none")
+    labelled = [r for r in rows if r["role"] in ("gather", "aggregate")]
+    others = [r for r in rows if r["role"] not in ("gather", "aggregate")]
+    weakest = max((r["d_ld_all"] for r in labelled), default=None)  # least negative effect among G&A heads
+    strongest_other = min((r["d_ld_all"] for r in others), default=None)
+    return {
+        "clean": {"acc": clean_acc, "logit_diff": clean_ld, "n_prompts": len(batch)},
+        "rules": asdict(rules),
+        "gather": [{"layer": r["layer"], "head": r["head"], "kind": r["kind"]} for r in rows if r["role"] == "gather"],
+        "aggregate": [{"layer": r["layer"], "head": r["head"], "kind": r["kind"]} for r in rows if r["role"] == "aggregate"],
+        "pairs": pairs,
+        "margin": None if weakest is None or strongest_other is None else {
+            "weakest_ga_effect": weakest, "strongest_other_effect": strongest_other,
+            "ratio": (weakest / strongest_other) if strongest_other < 0 else None},
+        "heads": rows,
+    }

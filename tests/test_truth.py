@@ -1,0 +1,53 @@
+"""Ground truth and the scan on a planted G&A circuit: both find exactly the planted heads."""
+from __future__ import annotations
+
+import pytest
+
+from discovery.planted_ga import planted_model, planted_prompts, write_prompts
+from discovery.tasks.base import annotate
+from discovery.truth import ground_truth
+
+
+@pytest.fixture(scope="module")
+def circuit():
+    return planted_model()
+
+
+def test_truth_names_the_planted_pair_and_no_decoy(circuit):
+    batch = annotate(planted_prompts(16), circuit.lm.tokenizer, padding_side="left")
+    truth = ground_truth(circuit.lm, batch)
+    assert truth["clean"]["acc"] == 1.0
+    as_tuple = lambda d: (d["layer"], d["head"])  # noqa: E731
+    assert [as_tuple(g) for g in truth["gather"]] == [(circuit.gather.layer, circuit.gather.index)]
+    assert [as_tuple(a) for a in truth["aggregate"]] == [(circuit.aggregate.layer, circuit.aggregate.index)]
+    confirmed = [p for p in truth["pairs"] if p["confirmed"]]
+    assert len(confirmed) == 1 and confirmed[0]["agg_select_without_gather"] < 0.5
+    roles = {(r["layer"], r["head"]): r["role"] for r in truth["heads"]}
+    for decoy in circuit.decoys.values():
+        assert roles[(decoy.layer, decoy.index)] == "none"
+    assert truth["margin"]["ratio"] > 20  # G&A effects dwarf every other head's
+
+
+def test_scan_ranks_the_planted_heads_first(tmp_path):
+    """The scan (patterns + effects) on the planted circuit without decoys: the gather head has the top
+    gather score, the aggregate head the top aggregate focus, and they are the two largest effects."""
+    from pipelines.scan import ScanOptions, scan_task
+
+    circuit = planted_model(decoys=False)
+    task = write_prompts(tmp_path / "planted.jsonl", 16)
+    options = ScanOptions(tasks=[f"jsonl:{task}"], ablation="exact", prompts=16, bootstrap=200)
+    frame, summary = scan_task(circuit.lm, f"jsonl:{task}", options)
+    assert summary["clean"]["acc"] == 1.0
+    key = lambda row: (row["layer"], row["head"])  # noqa: E731
+    top_gather = frame.sort("gather_score", descending=True).row(0, named=True)
+    top_aggregate = frame.sort("agg_focus", descending=True).row(0, named=True)
+    assert key(top_gather) == (circuit.gather.layer, circuit.gather.index)
+    assert key(top_aggregate) == (circuit.aggregate.layer, circuit.aggregate.index)
+    top_two = {key(r) for r in frame.sort("d_ld_all").head(2).iter_rows(named=True)}
+    assert top_two == {(circuit.gather.layer, circuit.gather.index), (circuit.aggregate.layer, circuit.aggregate.index)}
+    # the aggregate head's effect lives at the query position, the gather head's does not
+    by_key = {key(r): r for r in frame.iter_rows(named=True)}
+    agg, gat = by_key[(circuit.aggregate.layer, circuit.aggregate.index)], by_key[(circuit.gather.layer, circuit.gather.index)]
+    assert agg["d_ld_query"] < 0.5 * agg["d_ld_all"]
+    assert abs(gat["d_ld_query"]) < 0.1 * abs(gat["d_ld_all"])
+    assert agg["d_ld_all_hi"] < 0  # the bootstrap interval excludes zero
