@@ -1,0 +1,60 @@
+"""Toy models in which G&A emerges: a deterministic trainer and the models bundled with gascan.
+
+``train(TrainConfig(...), out_dir)`` trains a transformer, Mamba-2 or hybrid on a synthetic task;
+``bundled_model_path()`` is the default model that ``gascan scan`` uses offline, and
+``bundled_checkpoints()`` its training checkpoint series (earliest first). Importing this package
+stays cheap: the trainer (torch, transformers) loads on first use.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ..errors import ModelLoadError
+from .config import ARCHES, TASKS, TrainConfig
+
+BUNDLED_ROOT = Path(__file__).resolve().parent.parent / "data" / "toy"
+DEFAULT_BUNDLED = "mc-transformer"
+BUNDLED_NAMES: tuple[str, ...] = ("mc-transformer", "mc1-transformer")
+
+__all__ = [
+    "ARCHES",
+    "BUNDLED_NAMES",
+    "TASKS",
+    "TrainConfig",
+    "TrainResult",
+    "bundled_checkpoints",
+    "bundled_model_path",
+    "evaluate",
+    "train",
+]
+
+
+def bundled_model_path(name: str = DEFAULT_BUNDLED) -> Path:
+    """Directory of a bundled toy model (a Hugging Face checkpoint); default: the `mc` transformer.
+
+    ``"mc1-transformer"`` is the single-word-option fixture (a model full of decoys).
+    """
+    if name not in BUNDLED_NAMES:
+        raise ModelLoadError(f"no bundled toy model {name!r}", f"use one of: {', '.join(BUNDLED_NAMES)}")
+    path = BUNDLED_ROOT / name
+    if not (path / "config.json").exists():
+        raise ModelLoadError(f"bundled toy model {name!r} is missing at {path}",
+                             "reinstall gascan (the package data was not installed)")
+    return path
+
+
+def bundled_checkpoints(name: str = DEFAULT_BUNDLED) -> list[Path]:
+    """The bundled model's training checkpoints, earliest step first (the final model excluded)."""
+    root = bundled_model_path(name) / "checkpoints"
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-"))
+
+
+def __getattr__(name: str) -> Any:  # lazy: the trainer imports torch
+    if name in ("train", "evaluate", "TrainResult"):
+        from . import trainer
+
+        return getattr(trainer, name)
+    raise AttributeError(name)

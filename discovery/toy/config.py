@@ -1,0 +1,114 @@
+"""What a toy training run is: one validated, JSON-serialisable :class:`TrainConfig`.
+
+Kept free of torch imports so the command line can validate input (and fail with one line)
+before paying for the heavy imports.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ..errors import GascanError
+
+ARCHES: tuple[str, ...] = ("transformer", "mamba2", "hybrid")
+TASKS: tuple[str, ...] = ("mc", "kv")
+
+
+@dataclass
+class TrainConfig:
+    """Everything that determines a toy model's weights (plus run limits that may cut it short).
+
+    The recipe defaults are the ones that worked on this project's CPU (DESIGN.md): init std 0.1,
+    AdamW lr 2e-3, batch 64; with the library defaults (init 0.02, lr 3e-3) training stayed at chance.
+    """
+
+    arch: str = "transformer"
+    task: str = "mc"
+    seed: int = 0
+    steps: int = 2000
+    batch_size: int = 64
+    lr: float = 2e-3
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    init_std: float = 0.1
+    layers: int = 4
+    heads: int = 4  # attention heads per attention layer
+    width: int = 128
+    mlp_ratio: int = 2  # intermediate size = mlp_ratio * width (transformer and hybrid)
+    ssm_heads: int = 8  # Mamba-2 heads per SSM layer (head dim = 2 * width / ssm_heads)
+    ssm_state: int = 32
+    attn_layers: list[int] | None = None  # hybrid only; default: the middle layer
+    task_options: dict[str, Any] = field(default_factory=dict)
+    vocab_size: int = 600
+    train_size: int = 20000  # prompts in the training pool (cycled in a seeded order)
+    test_size: int = 256  # held-out prompts (test split: disjoint words) for accuracy during training
+    eval_every: int = 100
+    save_every: int | None = None
+    save_at: list[int] = field(default_factory=list)
+    time_budget: float | None = None  # seconds of training; stops early (not deterministic in steps)
+    threads: int = 1  # torch intra-op threads; fixed so float reductions repeat bit for bit (1: fastest on a shared CPU)
+
+    def validate(self) -> TrainConfig:
+        """Check the values a user can get wrong; raise a one-line :class:`GascanError`."""
+        if self.arch not in ARCHES:
+            raise GascanError(f"unknown toy architecture {self.arch!r}", f"use one of: {', '.join(ARCHES)}")
+        if self.task not in TASKS:
+            raise GascanError(f"unknown toy task {self.task!r}", f"use one of: {', '.join(TASKS)}")
+        for name in ("steps", "batch_size", "layers", "heads", "width", "ssm_heads", "ssm_state",
+                     "vocab_size", "train_size", "test_size", "eval_every", "threads", "mlp_ratio"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise GascanError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}",
+                                  "pass a whole number >= 1")
+        if self.width % self.heads:
+            raise GascanError(f"--width {self.width} is not divisible by --heads {self.heads}",
+                              "choose a width that is a multiple of the head count")
+        if (2 * self.width) % self.ssm_heads:
+            raise GascanError(f"2 x --width ({2 * self.width}) is not divisible by --ssm-heads {self.ssm_heads}",
+                              "choose an SSM head count that divides twice the width")
+        if self.vocab_size < 300:
+            raise GascanError(f"--vocab-size {self.vocab_size} is too small for a byte-level BPE",
+                              "use at least 300 (256 bytes + merges + special tokens)")
+        if self.attn_layers is not None:
+            if self.arch != "hybrid":
+                raise GascanError(f"--attn-layers only applies to --arch hybrid, not {self.arch!r}",
+                                  "drop --attn-layers or use --arch hybrid")
+            bad = [i for i in self.attn_layers if not 0 <= i < self.layers]
+            if bad or not self.attn_layers:
+                raise GascanError(
+                    f"--attn-layers {','.join(map(str, self.attn_layers))} is out of range for {self.layers} layers",
+                    f"give layer indices between 0 and {self.layers - 1}, comma separated",
+                )
+            if len(set(self.attn_layers)) != len(self.attn_layers):
+                raise GascanError("--attn-layers lists a layer twice", "list each layer once")
+        if self.save_every is not None and self.save_every < 1:
+            raise GascanError(f"--save-every must be >= 1, got {self.save_every}", "pass a positive step count")
+        if any(s < 1 for s in self.save_at):
+            raise GascanError("--save-at steps must be >= 1", "list positive step numbers")
+        if self.time_budget is not None and self.time_budget <= 0:
+            raise GascanError(f"--time-budget must be positive, got {self.time_budget}", "pass seconds > 0")
+        if not self.lr > 0 or not self.init_std > 0:
+            raise GascanError("--lr and --init-std must be positive", "pass values > 0")
+        if "split" in self.task_options or "seed" in self.task_options or "n" in self.task_options:
+            raise GascanError("--task-option may not set split, seed or n (the trainer sets them)",
+                              "use --seed, --train-size and --test-size instead")
+        return self
+
+    def hybrid_attn_layers(self) -> list[int]:
+        """The attention layers of a hybrid: as given, or the middle layer."""
+        return sorted(self.attn_layers) if self.attn_layers is not None else [self.layers // 2]
+
+    def checkpoint_steps(self) -> set[int]:
+        """Steps after which an intermediate checkpoint is written."""
+        steps = {s for s in self.save_at if s < self.steps}
+        if self.save_every:
+            steps |= set(range(self.save_every, self.steps, self.save_every))
+        return steps
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
+        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        return cls(**known)

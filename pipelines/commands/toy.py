@@ -1,0 +1,93 @@
+"""``gascan toy train``: train a small model in which G&A can emerge, deterministically.
+
+Arguments are only parsed here; validation lives in :class:`discovery.toy.TrainConfig` (one-line
+errors before any heavy import) and the work in :func:`discovery.toy.trainer.train`.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from discovery.errors import GascanError
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip() != ""]
+    except ValueError:
+        raise GascanError(f"{flag} {text!r} is not a comma-separated list of integers",
+                          f"e.g. {flag} 1,3") from None
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("toy", help="train toy models in which G&A emerges",
+                                   description="Train toy models in which G&A emerges.")
+    sub = parser.add_subparsers(dest="toy_command", metavar="ACTION")
+    t = sub.add_parser("train", help="train a transformer, Mamba-2 or hybrid toy model on a synthetic task",
+                       description="Deterministic toy-model trainer: same seed, same weights (on one machine).")
+    t.add_argument("--arch", default="transformer", help="transformer, mamba2 or hybrid (default transformer)")
+    t.add_argument("--task", default="mc", help="mc or kv (default mc)")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--out", required=True, type=Path, help="output directory (a Hugging Face model dir)")
+    t.add_argument("--steps", type=int, default=2000)
+    t.add_argument("--save-every", type=int, default=None, help="write DIR/checkpoints/step-N every K steps")
+    t.add_argument("--save-at", default="", help="also checkpoint at these steps (comma list)")
+    t.add_argument("--attn-layers", default=None, help="hybrid: attention layer indices (comma list)")
+    t.add_argument("--task-option", action="append", default=[], metavar="K=V",
+                   help="task generator option (repeatable), e.g. option_words=2")
+    t.add_argument("--layers", type=int, default=4)
+    t.add_argument("--heads", type=int, default=4, help="attention heads per attention layer")
+    t.add_argument("--width", type=int, default=128)
+    t.add_argument("--mlp-ratio", type=int, default=2)
+    t.add_argument("--ssm-heads", type=int, default=8, help="Mamba-2 heads per SSM layer")
+    t.add_argument("--ssm-state", type=int, default=32)
+    t.add_argument("--batch-size", type=int, default=64)
+    t.add_argument("--lr", type=float, default=2e-3)
+    t.add_argument("--weight-decay", type=float, default=0.01)
+    t.add_argument("--init-std", type=float, default=0.1)
+    t.add_argument("--vocab-size", type=int, default=600)
+    t.add_argument("--train-size", type=int, default=20000, help="prompts in the training pool")
+    t.add_argument("--test-size", type=int, default=256, help="held-out test prompts (disjoint words)")
+    t.add_argument("--eval-every", type=int, default=100)
+    t.add_argument("--time-budget", type=float, default=None, help="stop training after this many seconds")
+    t.add_argument("--threads", type=int, default=1, help="torch threads (fixed for bit-identical runs; 1 is fastest on a shared CPU)")
+    t.add_argument("--overwrite", action="store_true", help="replace a previous toy run in --out")
+    t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.set_defaults(func=run_train)
+    parser.set_defaults(func=lambda args: (parser.print_help(), 2)[1])
+
+
+def config_from_args(args: argparse.Namespace):
+    """A validated TrainConfig from parsed arguments (one-line GascanError on bad input)."""
+    from discovery.toy.config import TrainConfig
+
+    options: dict[str, str] = {}
+    for pair in args.task_option:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise GascanError(f"bad --task-option {pair!r}: expected KEY=VALUE", "e.g. --task-option option_words=2")
+        options[key.strip()] = value.strip()
+    cfg = TrainConfig(
+        arch=args.arch, task=args.task, seed=args.seed, steps=args.steps, batch_size=args.batch_size,
+        lr=args.lr, weight_decay=args.weight_decay, init_std=args.init_std, layers=args.layers,
+        heads=args.heads, width=args.width, mlp_ratio=args.mlp_ratio, ssm_heads=args.ssm_heads,
+        ssm_state=args.ssm_state,
+        attn_layers=None if args.attn_layers is None else _int_list(args.attn_layers, "--attn-layers"),
+        task_options=options, vocab_size=args.vocab_size, train_size=args.train_size,
+        test_size=args.test_size, eval_every=args.eval_every, save_every=args.save_every,
+        save_at=_int_list(args.save_at, "--save-at"), time_budget=args.time_budget, threads=args.threads,
+    )
+    return cfg.validate()
+
+
+def run_train(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    from discovery.toy.data import check_task_options
+    from discovery.toy.trainer import prepare_out_dir, train
+
+    check_task_options(cfg.task, cfg.task_options)
+    prepare_out_dir(args.out, args.overwrite)  # fail on an unwritable --out before building data
+    result = train(cfg, args.out, progress=not args.quiet, overwrite=True)
+    print(f"saved {result.out_dir}: test accuracy {result.test_accuracy:.3f} after {result.steps} steps "
+          f"({result.train_seconds:.0f} s training, {len(result.checkpoints)} checkpoints)")
+    return 0

@@ -1,0 +1,161 @@
+"""The toy trainer: determinism, loadable Hugging Face output, the bundled models, CLI errors."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from discovery.toy import TrainConfig, bundled_checkpoints, bundled_model_path
+from discovery.toy.data import encode, task_prompts
+from discovery.toy.trainer import TEST_SEED_OFFSET, evaluate, heldout_prompts, train
+from pipelines.cli import main
+
+LABELS = [" A", " B", " C", " D"]
+
+
+def tiny_cfg(**kw) -> TrainConfig:
+    """A run of a couple of seconds: small width, few steps, small data."""
+    base = {"arch": "transformer", "task": "mc", "seed": 0, "steps": 20, "batch_size": 16, "layers": 2,
+            "heads": 2, "width": 32, "ssm_heads": 4, "ssm_state": 16, "vocab_size": 400, "train_size": 400,
+            "test_size": 32, "eval_every": 10, "task_options": {"option_words": 2}}
+    return TrainConfig(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("toy")
+    out = {}
+    for name, cfg in {"a": tiny_cfg(save_every=10), "b": tiny_cfg(), "c": tiny_cfg(seed=1)}.items():
+        train(cfg, root / name, progress=False)
+        out[name] = root / name
+    return out
+
+
+def test_training_is_deterministic_for_a_seed(runs):
+    a = load_file(runs["a"] / "model.safetensors")
+    b = load_file(runs["b"] / "model.safetensors")
+    c = load_file(runs["c"] / "model.safetensors")
+    assert a.keys() == b.keys() and len(a) > 10
+    for k in a:
+        assert torch.equal(a[k], b[k]), k  # bit for bit
+    differing = [k for k in a if a[k].shape == c[k].shape and not torch.equal(a[k], c[k])]
+    assert len(differing) >= len(a) - 2  # another seed: (nearly) every tensor differs
+    assert (runs["a"] / "tokenizer.json").read_bytes() == (runs["b"] / "tokenizer.json").read_bytes()
+    # saving checkpoints along the way does not change the final weights, and the run records its history
+    meta = json.loads((runs["a"] / "training.json").read_text())
+    meta_b = json.loads((runs["b"] / "training.json").read_text())
+    assert [h["loss"] for h in meta["history"]] == [h["loss"] for h in meta_b["history"]]
+    assert meta["steps"] == 20 and meta["seed"] == 0 and meta["task_options"] == {"option_words": 2}
+    assert meta["checkpoints"] == ["checkpoints/step-000010"]
+    assert meta["command"].startswith("gascan toy train --arch transformer --task mc --seed 0")
+
+
+def test_saved_directories_load_offline_with_single_token_labels(runs):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    for d in (runs["a"], runs["a"] / "checkpoints" / "step-000010"):
+        model = AutoModelForCausalLM.from_pretrained(d, local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(d, local_files_only=True)
+        assert type(model).__name__ == "LlamaForCausalLM"
+        for text in LABELS + [":", "\n"]:
+            assert len(tok(text, add_special_tokens=False)["input_ids"]) == 1, text
+        assert tok.bos_token_id is not None and tok.pad_token_id is not None and tok.eos_token_id is not None
+        meta = json.loads((d / "training.json").read_text())
+        cfg = TrainConfig.from_dict(meta["config"])
+        train_texts = {p.text for p in task_prompts("mc", "train", 0, cfg.train_size, cfg.task_options)}
+        heldout = heldout_prompts(cfg, train_texts)  # the run's own held-out prompts
+        assert not {p.text for p in heldout} & train_texts
+        assert evaluate(model, encode(heldout, tok)) == pytest.approx(meta["test_accuracy"])
+        unseen = task_prompts("mc", "test", 2 * TEST_SEED_OFFSET, 32, cfg.task_options)  # disjoint words
+        assert evaluate(model, encode(unseen, tok)) == pytest.approx(meta["unseen_words_accuracy"])
+    assert not list(runs["a"].glob("**/*.bin")) and not list(runs["a"].glob("**/.*tmp*"))
+
+
+@pytest.mark.parametrize("arch,extra", [("mamba2", {}), ("hybrid", {"attn_layers": [1]})])
+def test_ssm_and_hybrid_runs_save_and_reload(tmp_path, arch, extra):
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_cfg(arch=arch, steps=3, eval_every=3, **extra)
+    result = train(cfg, tmp_path / arch, progress=False)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / arch, local_files_only=True)
+    assert type(model).__name__ == {"mamba2": "Mamba2ForCausalLM", "hybrid": "BambaForCausalLM"}[arch]
+    if arch == "hybrid":
+        assert model.config.attn_layer_indices == [1]
+    meta = json.loads((tmp_path / arch / "training.json").read_text())
+    assert meta["arch"] == arch and result.steps == 3 and 0.0 <= meta["test_accuracy"] <= 1.0
+
+
+def test_time_budget_stops_early(tmp_path):
+    result = train(tiny_cfg(steps=500, time_budget=0.05), tmp_path / "t", progress=False)
+    meta = json.loads((tmp_path / "t" / "training.json").read_text())
+    assert result.steps < 500 and meta["stopped_by"] == "time_budget" and meta["steps"] == result.steps
+
+
+def _fresh_accuracy(path: Path, n: int = 200, seed: int = 4242, split: str = "train") -> float:
+    """Accuracy on ``n`` new prompts (a seed the run never used) over the training words."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    meta = json.loads((path / "training.json").read_text())
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    prompts = task_prompts(meta["task"], split, seed, n, meta["task_options"])
+    return evaluate(model, encode(prompts, tok))
+
+
+def _size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def test_bundled_model_is_accurate_on_a_fresh_test_split():
+    path = bundled_model_path()
+    meta = json.loads((path / "training.json").read_text())
+    assert int(meta["task_options"]["option_words"]) >= 2 and meta["arch"] == "transformer"
+    assert _fresh_accuracy(path) >= 0.95
+    assert _size(path) <= 20e6 and (path / "model.safetensors").stat().st_size <= 5e6
+    assert not [p for p in path.rglob("*") if p.suffix in (".bin", ".pt", ".pkl", ".pth")]
+
+
+def test_bundled_checkpoint_series_climbs_from_chance():
+    series = bundled_checkpoints()
+    steps = [int(p.name.split("-")[1]) for p in series]
+    assert len(series) >= 4 and steps == sorted(steps)
+    accs = [json.loads((p / "training.json").read_text())["test_accuracy"] for p in series]
+    assert accs[0] <= 0.4 and accs[-1] >= 0.9  # from near chance (0.25) to after the jump
+    assert _fresh_accuracy(series[0], n=100) <= 0.45
+
+
+def test_single_word_fixture_is_bundled_small_and_accurate():
+    path = bundled_model_path("mc1-transformer")
+    meta = json.loads((path / "training.json").read_text())
+    assert int(meta["task_options"]["option_words"]) == 1
+    assert _size(path) <= 3.2e6 and not (path / "checkpoints").exists()
+    assert _fresh_accuracy(path) >= 0.95
+
+
+def _cli_error(capsys, argv: list[str]) -> str:
+    code = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert code != 0 and err.count("\n") == 0, err
+    return err
+
+
+def test_cli_rejects_bad_input_with_one_line(tmp_path, capsys):
+    out = str(tmp_path / "o")
+    assert "architecture" in _cli_error(capsys, ["toy", "train", "--arch", "gpt9", "--out", out])
+    err = _cli_error(capsys, ["toy", "train", "--arch", "hybrid", "--attn-layers", "1,7", "--out", out])
+    assert "--attn-layers" in err and "out of range" in err
+    assert "--attn-layers" in _cli_error(capsys, ["toy", "train", "--attn-layers", "x", "--out", out])
+    blocker = tmp_path / "file.txt"
+    blocker.write_text("not a directory")
+    err = _cli_error(capsys, ["toy", "train", "--out", str(blocker / "sub"), "--steps", "1"])
+    assert "cannot write to output directory" in err
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "notes.txt").write_text("x")
+    assert "not empty" in _cli_error(capsys, ["toy", "train", "--out", str(full), "--steps", "1"])
+    assert "option" in _cli_error(capsys, ["toy", "train", "--out", out, "--task-option", "bogus"])
+    assert "option_wrds" in _cli_error(capsys, ["toy", "train", "--out", out, "--task-option", "option_wrds=2"])
+    assert not (tmp_path / "o").exists() or not any((tmp_path / "o").iterdir())
