@@ -12,6 +12,8 @@ An :class:`Ablation` names heads edited together, how (``zero``, ``mean``, ``kno
 
 Scores are read at the query position (the last real token; batches are left-padded) over the
 candidates' first tokens: accuracy, logit difference (gold minus mean of the others), gold log-prob.
+With ``readout_layer=k`` every pass runs the model truncated after layer k (later layers pass their
+input through; the final norm and unembedding read layer k's output): the paper's minimal model.
 """
 from __future__ import annotations
 
@@ -149,12 +151,17 @@ class AblationEngine:
     """Ablation effects of heads on one annotated batch of prompts (see module docstring)."""
 
     def __init__(self, lm: LoadedModel, batch: AnnotatedBatch, *, max_rows: int | None = None,
-                 max_memory_mb: float | None = None) -> None:
+                 max_memory_mb: float | None = None, readout_layer: int | None = None) -> None:
         if batch.padding_side != "left":
             raise ValueError("the ablation engine needs a left-padded batch (annotate(..., padding_side='left'))")
+        n_layers = lm.inventory.n_layers
+        if readout_layer is not None and not 0 <= readout_layer < n_layers:
+            raise ValueError(f"readout_layer {readout_layer} is outside the model's layers 0..{n_layers - 1}")
         self.lm = lm
         self.model = lm.model
         self.inventory = lm.inventory
+        self.readout_layer = readout_layer  # None: the whole model; k: truncated after layer k
+        self.n_active_layers = n_layers if readout_layer is None else readout_layer + 1
         self.device = next(self.model.parameters()).device
         self.batch = batch.to(self.device)
         self.n_prompts = len(batch)
@@ -193,9 +200,10 @@ class AblationEngine:
 
     def _forward(self, repeat: int, config: PassConfig) -> torch.Tensor:
         """Logits at the last position, ``[repeat * prompt, vocab]``."""
+        config.stop_layer = self.readout_layer
         with torch.no_grad(), self.intervener.run(config):
             out = self.model(**self._inputs(repeat))
-        n_layers = self.inventory.n_layers - config.start_layer
+        n_layers = self.n_active_layers - config.start_layer
         self.layer_rows += repeat * self.n_prompts * n_layers
         return out.logits[:, -1, :].float()
 
@@ -230,9 +238,10 @@ class AblationEngine:
             inputs["position_ids"] = inputs["position_ids"][:, -1:]
         cache_arg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         inputs.update({cache_arg: cache, "use_cache": True})
+        config.stop_layer = self.readout_layer
         with torch.no_grad(), self.intervener.run(config):
             out = self.model(**inputs)
-        self.layer_rows += repeat * self.n_prompts * (self.inventory.n_layers - config.start_layer) / self.n_positions
+        self.layer_rows += repeat * self.n_prompts * (self.n_active_layers - config.start_layer) / self.n_positions
         return out.logits[:, -1, :].float()
 
     def _clean_pass(self) -> Scores:
@@ -266,7 +275,10 @@ class AblationEngine:
         """Edit functions for a chunk of ablations (rows ablation-major)."""
         classes = self.classes if rows is None else {k: v[rows] for k, v in self.classes.items()}
         n, p = len(ablations), int(classes["all"].shape[0])
-        config = PassConfig()
+        late = [a.name for a in ablations if max(h.layer for h in a.heads) >= self.n_active_layers]
+        if late:
+            raise ValueError(f"ablation {late[0]} edits a layer after readout layer {self.readout_layer}")
+        config = PassConfig(stop_layer=self.readout_layer)
         touched = sorted({(h.layer, h.kind) for a in ablations for h in a.heads})
         for layer, kind in touched:
             group = self.inventory.group(layer, kind)

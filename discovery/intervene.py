@@ -13,7 +13,9 @@ Every caller (pattern capture, the ablation engine, attribution, pair tests, pla
 - pre-hooks on SSM mixers that hand their input to whoever asked (implicit-attention patterns and
   SSM edge knockout);
 - optional layer stubs: layers before ``start_layer`` return cached clean hidden states instead of
-  computing, so an edit in layer l only recomputes layers l..L (prefix reuse).
+  computing, so an edit in layer l only recomputes layers l..L (prefix reuse); layers after
+  ``stop_layer`` pass their input through, so the model is truncated there and read out through its
+  own final norm and unembedding (the minimal model).
 
 Weights are never modified (Zamba2 shares weight tensors across layers).
 """
@@ -49,6 +51,7 @@ class PassConfig:
     layer_sinks: dict[int, Callable[[Any], None]] = field(default_factory=dict)
     start_layer: int = 0
     start_hidden: torch.Tensor | None = None  # [batch, pos, d_model]: output of layer start_layer-1
+    stop_layer: int | None = None  # layers after this one pass their input through (truncated model)
 
 
 @dataclass
@@ -162,6 +165,10 @@ class Intervener:
                 for index in range(config.start_layer):
                     layers[index].forward = self._stub(config.start_hidden)
                     patched.append(layers[index])
+            if config.stop_layer is not None:
+                for index in range(config.stop_layer + 1, len(layers)):
+                    layers[index].forward = self._passthrough()
+                    patched.append(layers[index])
             yield state
         finally:
             for handle in handles:
@@ -217,6 +224,16 @@ class Intervener:
         template = self._layer_template
 
         def forward(*args, **kwargs):
+            return _with_hidden(template, hidden) if template is not None else hidden
+
+        return forward
+
+    def _passthrough(self):
+        """A layer that returns its input hidden state unchanged (in the layer's output structure)."""
+
+        def forward(*args, **kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            template = self._layer_template
             return _with_hidden(template, hidden) if template is not None else hidden
 
         return forward
