@@ -1,0 +1,224 @@
+"""Streamed per-head patterns on every tiny architecture, under left padding.
+
+Attention heads must equal the eager implementation's ``output_attentions``; SSM heads must equal
+the implicit attention computed directly from each mixer's input (Mamba-1: the mean over each
+channel group), and ``y = M x + D x`` from the streamed pattern and ``D`` must give the scan output.
+(That the scan output is the mixer's own is tested in tests/test_ssm.py.)
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from discovery import ssm
+from discovery.heads import HeadGroup
+from discovery.loading import LoadedModel, load_model
+from discovery.models.adapter import adapter_for
+from discovery.models.tiny import TINY_CONFIGS
+from discovery.patterns import collect_patterns, for_each_pattern, model_inputs
+from discovery.tasks.base import AnnotatedBatch, annotate
+from tests.helpers import mc_prompts
+
+ARCHS = sorted(TINY_CONFIGS)
+ATTN_ARCHS = [a for a in ARCHS if a not in ("mamba", "falcon_mamba", "mamba2")]
+SSM_ARCHS = ["bamba", "falcon_h1", "falcon_mamba", "jamba", "mamba", "mamba2", "zamba2"]
+MAMBA1_ARCHS = ["falcon_mamba", "jamba", "mamba"]
+
+
+@dataclass
+class Case:
+    """One tiny model, a left-padded batch, its streamed patterns and an eager reference pass."""
+
+    lm: LoadedModel
+    batch: AnnotatedBatch
+    patterns: dict[tuple[int, str], torch.Tensor]  # (layer, kind) -> [batch, head, q, k]
+    eager_attentions: list[torch.Tensor]  # [batch, head, q, k] per attention layer, in layer order
+    mixer_inputs: dict[int, tuple[torch.Tensor, torch.Tensor | None]]  # layer -> (hidden, mask)
+
+
+def reference_pass(lm: LoadedModel, batch: AnnotatedBatch):
+    """Eager forward with ``output_attentions`` and the input of every SSM mixer (own hooks)."""
+    model = lm.model
+    ssm_groups = [g for g in lm.inventory.groups if g.kind == "ssm"]
+    mixers = {g.layer: lm.adapter.mixer(g.layer, "ssm") for g in ssm_groups}
+    assert len({id(m) for m in mixers.values()}) == len(mixers)  # one mixer module per layer
+    captured: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+
+    def hook(layer: int) -> Callable:
+        def record(module, args, kwargs):
+            captured[layer] = ssm.mixer_inputs(args, kwargs)
+
+        return record
+
+    handles = [m.register_forward_pre_hook(hook(layer), with_kwargs=True) for layer, m in mixers.items()]
+    previous = model.config._attn_implementation
+    try:
+        if any(g.kind == "attn" for g in lm.inventory.groups):
+            model.set_attn_implementation("eager")
+        with torch.no_grad():
+            kwargs = model_inputs(model, batch)
+            if any(g.kind == "attn" for g in lm.inventory.groups):
+                kwargs["output_attentions"] = True
+            out = model(**kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+        if model.config._attn_implementation != previous:
+            model.set_attn_implementation(previous)
+    attentions = [a for a in (getattr(out, "attentions", None) or ()) if a is not None]
+    return attentions, captured
+
+
+def perturb(model: torch.nn.Module, seed: int = 1) -> None:
+    """Shift every 1-D parameter (norm weights, biases, D, dt_bias, A_log): at initialisation the tiny
+    SSMs' implicit attention is ~1e-5 and ``D x`` dominates ``y``, which would let a wrong M pass."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.ndim == 1:
+                param.add_(0.3 * torch.randn(param.shape, generator=gen))
+
+
+@pytest.fixture(scope="module")
+def cases() -> Callable[[str], Case]:
+    """Build each architecture's case once per module, on first use."""
+    built: dict[str, Case] = {}
+
+    def get(arch: str) -> Case:
+        if arch not in built:
+            lm = load_model(f"tiny:{arch}")
+            perturb(lm.model)
+            # two prompts of different lengths (left padding), short: Mamba-1 per-channel work grows as t^2
+            batch = annotate(mc_prompts(2, n_choices=2), lm.tokenizer, padding_side="left")
+            assert (batch.attention_mask[:, 0] == 0).any() and (batch.attention_mask[:, -1] == 1).all()
+            patterns = collect_patterns(lm, batch)
+            attentions, inputs = reference_pass(lm, batch)
+            built[arch] = Case(lm, batch, patterns, attentions, inputs)
+        return built[arch]
+
+    return get
+
+
+def real(batch: AnnotatedBatch) -> torch.Tensor:
+    """[batch, q, k] bool: a real query reading a real key at or before it."""
+    mask = batch.attention_mask.bool()  # [batch, pos]
+    causal = torch.ones(mask.shape[1], mask.shape[1]).tril().bool()
+    return mask[:, :, None] & mask[:, None, :] & causal
+
+
+def test_every_group_streamed(cases) -> None:
+    for arch in ARCHS:
+        case = cases(arch)
+        n, t = case.batch.input_ids.shape
+        assert set(case.patterns) == {(g.layer, g.kind) for g in case.lm.inventory.groups}
+        for group in case.lm.inventory.groups:
+            assert case.patterns[(group.layer, group.kind)].shape == (n, group.count, t, t), arch
+
+
+@pytest.mark.parametrize("arch", ATTN_ARCHS)
+def test_attention_equals_eager_output_attentions(arch: str, cases) -> None:
+    case = cases(arch)
+    groups = [g for g in case.lm.inventory.groups if g.kind == "attn"]
+    assert len(case.eager_attentions) == len(groups) > 0
+    valid = real(case.batch)[:, None]  # [batch, 1, q, k]
+    for group, eager in zip(groups, case.eager_attentions):
+        pattern = case.patterns[(group.layer, "attn")]
+        torch.testing.assert_close(pattern, eager, atol=1e-6, rtol=0)
+        rows = case.batch.attention_mask.bool()[:, None, :, None].expand_as(pattern)  # real queries
+        sums = pattern.masked_fill(~valid, 0).sum(-1)  # [batch, head, q]
+        torch.testing.assert_close(sums[rows[..., 0]], torch.ones_like(sums[rows[..., 0]]), atol=1e-5, rtol=0)
+        assert pattern.masked_select(rows & ~valid).abs().max() < 1e-6  # padding and future keys: 0
+        # heads differ (GQA: query heads sharing a key/value head are still separate patterns)
+        assert (pattern[:, 0] - pattern[:, 1]).abs().max() > 1e-3
+
+
+def expected_ssm(case: Case, group: HeadGroup) -> tuple[ssm.SSMComponents, torch.Tensor, torch.Tensor]:
+    """Components, pattern and D of an SSM group computed directly from its mixer's input."""
+    hidden, mask = case.mixer_inputs[group.layer]
+    comp = ssm.ssm_components(case.lm.adapter.mixer(group.layer, "ssm"), hidden, mask)
+    if group.pattern == "mamba1":  # per channel, then the mean over each contiguous group
+        per_channel = ssm.implicit_attention(comp)  # [batch, channel, q, k]
+        b, c, q, k = per_channel.shape
+        pattern = per_channel.view(b, group.count, c // group.count, q, k).mean(2)
+        d_skip = comp.D.view(group.count, -1).mean(-1)
+    else:
+        pattern, d_skip = ssm.implicit_attention(comp), comp.D
+    return comp, pattern, d_skip
+
+
+@pytest.mark.parametrize("arch", SSM_ARCHS)
+def test_ssm_pattern_equals_implicit_attention_of_mixer_input(arch: str, cases) -> None:
+    case = cases(arch)
+    groups = [g for g in case.lm.inventory.groups if g.kind == "ssm"]
+    extras: dict[int, dict] = {}
+    for_each_pattern(case.lm, case.batch, lambda g, r, p, e: extras.setdefault(g.layer, e), kinds=("ssm",))
+    valid = real(case.batch)[:, None]
+    for group in groups:
+        _, want, d_skip = expected_ssm(case, group)
+        got = case.patterns[(group.layer, "ssm")]
+        assert want.abs().max() > 1e-2  # a pattern worth comparing (see perturb)
+        torch.testing.assert_close(got, want, atol=1e-6 * float(want.abs().max()), rtol=1e-5)
+        torch.testing.assert_close(extras[group.layer]["D"], d_skip, atol=0, rtol=0)
+        real_queries = case.batch.attention_mask.bool()[:, None, :, None].expand_as(got)
+        assert got.masked_select(real_queries & ~valid).abs().max() < 1e-6  # padding and future keys: 0
+
+
+@pytest.mark.parametrize("arch", SSM_ARCHS)
+def test_streamed_pattern_reproduces_scan_output(arch: str, cases) -> None:
+    """``y = M x + D x`` with M and D as streamed (Mamba-1 at channel level) equals ssm.scan_output."""
+    case = cases(arch)
+    lm = case.lm
+    if arch in MAMBA1_ARCHS:  # group means cannot rebuild y: stream the channel-level view
+        lm = LoadedModel(lm.model, lm.tokenizer, adapter_for(lm.model, mamba1_group_width=1), lm.spec)
+    streamed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for_each_pattern(lm, case.batch, lambda g, r, p, e: streamed.setdefault(g.layer, (p, e["D"])),
+                     kinds=("ssm",))
+    assert set(streamed) == {g.layer for g in lm.inventory.groups if g.kind == "ssm"}
+    for layer, (M, d_skip) in streamed.items():
+        group = lm.inventory.group(layer, "ssm")
+        hidden, mask = case.mixer_inputs[layer]
+        comp = ssm.ssm_components(lm.adapter.mixer(layer, "ssm"), hidden, mask)
+        if group.pattern == "mamba1":
+            assert group.width == 1 and M.shape[1] == comp.x.shape[-1]
+            mx = torch.einsum("bcts,bsc->btc", M, comp.x)  # [batch, pos, channel]
+            dx = d_skip.detach() * comp.x
+        else:
+            mx = torch.einsum("bhts,bshp->bthp", M, comp.x)  # [batch, pos, head, d_head]
+            dx = d_skip.detach()[:, None] * comp.x
+        want = ssm.scan_output(comp)
+        assert (want - dx).abs().max() > 1e-3  # the M x part matters at the tolerance below
+        torch.testing.assert_close(mx + dx, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_chunking_gives_identical_patterns(arch: str, cases) -> None:
+    """chunk_prompts=1 (one prompt per pass) equals the default chunking; sinks stream layer by layer."""
+    case = cases(arch)
+    calls: list[tuple[int, str, slice]] = []
+    parts: dict[tuple[int, str], list[torch.Tensor]] = {}
+
+    def sink(group: HeadGroup, rows: slice, pattern: torch.Tensor, extras: dict) -> None:
+        calls.append((group.layer, group.kind, rows))
+        assert pattern.shape[0] == rows.stop - rows.start == 1
+        parts.setdefault((group.layer, group.kind), []).append(pattern)
+
+    for_each_pattern(case.lm, case.batch, sink, chunk_prompts=1)
+    n, groups = len(case.batch), {(g.layer, g.kind) for g in case.lm.inventory.groups}
+    assert len(calls) == n * len(groups)
+    for i in range(n):  # each chunk: every group once, layer by layer (in a layer, in execution order)
+        chunk = calls[i * len(groups):(i + 1) * len(groups)]
+        assert {(c[2].start, c[2].stop) for c in chunk} == {(i, i + 1)}
+        assert {(layer, kind) for layer, kind, _ in chunk} == groups
+        assert [layer for layer, _, _ in chunk] == sorted(layer for layer, _, _ in chunk)
+    for key, pattern in case.patterns.items():
+        torch.testing.assert_close(torch.cat(parts[key]), pattern, atol=1e-6, rtol=1e-5)
+
+
+def test_layer_and_kind_selection(cases) -> None:
+    case = cases("zamba2")
+    only = collect_patterns(case.lm, case.batch, layers=[3], kinds=("attn",), chunk_prompts=2)
+    assert set(only) == {(3, "attn")}
+    torch.testing.assert_close(only[(3, "attn")], case.patterns[(3, "attn")], atol=1e-6, rtol=0)
