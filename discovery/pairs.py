@@ -1,0 +1,282 @@
+"""Ranked gather → aggregate pairs, each with its interaction test and a verified joint ablation.
+
+For one task's batch and head table:
+
+1. **Candidates**: the ``n_gather`` heads with the highest P(gather) and the ``n_aggregate`` with the
+   highest P(aggregate) (the shipped classifier; without one, the pattern × effect evidence stands in),
+   paired whenever the gather head's layer is before the aggregate head's (any distance).
+2. **Interaction test** per pair (DESIGN.md: knock out the gather head, watch the aggregate head):
+   - ``select_drop`` / ``focus_drop``: how much of the aggregate head's ``agg_select`` / ``agg_focus``
+     is lost when the gather head is zero-ablated (relative to its clean value, clipped to [0, 1]);
+   - ``effect_dependence``: the share of the aggregate head's own ablation effect that disappears once
+     the gather head is gone, ``(d_a - (d_ga - d_g)) / d_a`` (0 for independent heads; near 1 when the
+     aggregate head only matters through the gather head — or when the gather head alone already
+     breaks the task, which is why the pattern test carries more weight).
+   ``score = P(g) · P(a) · (0.4 + 0.4 · max(select_drop, focus_drop) + 0.2 · effect_dependence)``.
+3. **Verification** of the top ``k``: the joint ablation (both heads zeroed at all positions, through the
+   ablation engine) against a control of random pairs from the same two layers, same kinds, neither head
+   a candidate of the pair (all such pairs when there are at most ``control_draws``, else that many drawn
+   without replacement): the joint effect with its bootstrap interval over prompts, the control's mean
+   and 5–95% range, and ``control_p`` = (1 + #controls at least as harmful) / (1 + #controls). A pair is
+   ``verified`` when its joint effect's upper bound lies below the control's 5th percentile (and the
+   control has at least 3 pairs; otherwise ``verified`` is null: not testable).
+
+Effects are in logit-difference units (ablated − clean; negative = the pair helps).
+"""
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import polars as pl
+import torch
+
+from .ablation import Ablation, AblationEngine
+from .errors import GascanError
+from .heads import HeadId
+from .stats import bootstrap_ci
+
+PAIR_COLUMNS = (
+    "task", "rank", "gather_layer", "gather_head", "gather_kind", "aggregate_layer", "aggregate_head",
+    "aggregate_kind", "p_gather", "p_aggregate", "select_clean", "select_ablated", "select_drop", "focus_clean",
+    "focus_ablated", "focus_drop", "effect_gather", "effect_aggregate", "effect_dependence", "score",
+    "joint_effect", "joint_effect_lo", "joint_effect_hi", "joint_acc", "control_mean", "control_q05",
+    "control_q95", "control_n", "control_p", "verified",
+)
+MIN_CONTROLS = 3
+
+
+def head_probabilities(frame: pl.DataFrame, summary: Mapping[str, Any] | None = None,
+                       clf: Any = None) -> tuple[np.ndarray, np.ndarray, str]:
+    """P(gather), P(aggregate) per row and where they came from (table, classifier or evidence)."""
+    from .classifier import attach_clean, head_features, load_classifier
+
+    if "p_gather" in frame.columns and "p_aggregate" in frame.columns:
+        return (frame["p_gather"].fill_null(0.0).to_numpy(), frame["p_aggregate"].fill_null(0.0).to_numpy(),
+                "table")
+    f = attach_clean(frame, summary) if summary is not None else frame
+    try:
+        clf = clf or load_classifier()
+        probs = clf.predict(f)
+        return probs["gather"], probs["aggregate"], "classifier"
+    except GascanError:
+        feats = head_features(f)
+        g = np.clip(feats["gather_x_effect"].fill_null(0.0).to_numpy(), 0.0, 1.0)
+        a = np.clip(feats["agg_x_effect"].fill_null(0.0).to_numpy(), 0.0, 1.0)
+        return g, a, "evidence"
+
+
+def aggregate_metrics_under(lm: Any, batch: Any, ablate: HeadId | None, watch: Sequence[HeadId], *,
+                            engine: AblationEngine | None = None, chunk: int = 16) -> dict[HeadId, dict[str, float]]:
+    """``agg_select`` and ``agg_focus`` (means over prompts) of the ``watch`` heads, with ``ablate``
+    zero-ablated at every position through the engine's own edits (clean when ``ablate`` is None)."""
+    from . import metrics
+    from .patterns import for_each_pattern
+
+    wanted = {(h.layer, h.kind) for h in watch}
+    values: dict[HeadId, dict[str, list[torch.Tensor]]] = {h: {"agg_select": [], "agg_focus": []} for h in watch}
+
+    def sink(group, rows, pattern, extras) -> None:  # pattern [batch, head, q, k]
+        if (group.layer, group.kind) not in wanted:
+            return
+        found = metrics.pattern_metrics(pattern.float(), batch.select(rows))
+        for h in watch:
+            if (h.layer, h.kind) == (group.layer, group.kind):
+                for name in ("agg_select", "agg_focus"):
+                    values[h][name].append(found[name][:, h.index].cpu())
+
+    edits_for = None
+    if ablate is not None:
+        engine = engine or AblationEngine(lm, batch)
+        edits_for = lambda rows: engine.plan([Ablation((ablate,))], rows)  # noqa: E731
+    for_each_pattern(lm, batch, sink, layers=sorted({h.layer for h in watch}), kinds=sorted({h.kind for h in watch}),
+                     chunk_prompts=chunk, edits_for=edits_for)
+    return {h: {name: float(torch.nanmean(torch.cat(v)).item()) if v else float("nan") for name, v in named.items()}
+            for h, named in values.items()}
+
+
+def _nan_to_none(x: Any) -> Any:
+    if isinstance(x, float) and math.isnan(x):
+        return None
+    return x
+
+
+def _relative_drop(clean: float, ablated: float) -> float | None:
+    if math.isnan(clean) or math.isnan(ablated) or clean <= 1e-6:
+        return None
+    return float(min(1.0, max(0.0, (clean - ablated) / clean)))
+
+
+def rank_pairs(lm: Any, batch: Any, heads_frame: pl.DataFrame, k: int = 3, *, summary: Mapping[str, Any] | None = None,
+               clf: Any = None, engine: AblationEngine | None = None, n_gather: int = 6, n_aggregate: int = 6,
+               control_draws: int = 50, bootstrap: int = 1000, seed: int = 0,
+               task: str | None = None) -> tuple[pl.DataFrame, dict[str, Any]]:
+    """Rank candidate pairs of one task (see module docstring).
+
+    Returns the pairs table (one row per candidate pair, best first, verification columns filled for the
+    top ``k``) and the summary fields ``top_pairs``, ``gather_heads`` and ``aggregate_heads``.
+    """
+    frame = heads_frame
+    if task is not None:
+        frame = frame.filter(pl.col("task") == task)
+    tasks = frame["task"].unique().to_list() if frame.height else []
+    if len(tasks) > 1:
+        raise GascanError(f"the head table holds {len(tasks)} tasks", "pass task=... (one batch is one task)")
+    task = tasks[0] if tasks else (task or "")
+    p_g, p_a, source = head_probabilities(frame, summary, clf)
+    head_ids = [HeadId(int(r[0]), int(r[1]), str(r[2])) for r in frame.select("layer", "head", "kind").rows()]
+    gather_rank = [head_ids[i] for i in np.argsort(-p_g, kind="stable")[:n_gather]]
+    aggregate_rank = [head_ids[i] for i in np.argsort(-p_a, kind="stable")[:n_aggregate]]
+    prob = {h: (float(p_g[i]), float(p_a[i])) for i, h in enumerate(head_ids)}
+    candidates = [(g, a) for g in gather_rank for a in aggregate_rank if g.layer < a.layer]
+    fields: dict[str, Any] = {"gather_heads": _role_list(head_ids, p_g, task), "aggregate_heads":
+                              _role_list(head_ids, p_a, task), "pair_probabilities": source}
+    if not candidates:
+        fields["top_pairs"] = []
+        return pl.DataFrame(schema={c: pl.Float64 for c in PAIR_COLUMNS}).clear(), fields
+
+    engine = engine or AblationEngine(lm, batch)
+    gs = sorted({g for g, _ in candidates})
+    as_ = sorted({a for _, a in candidates})
+    singles = {h: i for i, h in enumerate(sorted(set(gs) | set(as_)))}
+    ablations = [Ablation((h,), label=str(h)) for h in singles]
+    ablations += [Ablation((g, a), label=f"{g}+{a}") for g, a in candidates]
+    effects = engine.effects(ablations)  # [ablation, prompt]
+    ld = effects["logit_diff"].double()
+    acc = effects["acc"].double()
+    single = ld[: len(singles)].mean(-1)  # [head]
+    joint = ld[len(singles):]  # [pair, prompt]
+
+    clean_agg = aggregate_metrics_under(lm, batch, None, as_)
+    under = {g: aggregate_metrics_under(lm, batch, g, [a for g2, a in candidates if g2 == g], engine=engine)
+             for g in gs}
+
+    rows = []
+    for i, (g, a) in enumerate(candidates):
+        d_g, d_a = float(single[singles[g]]), float(single[singles[a]])
+        d_ga = float(joint[i].mean())
+        dependence = (d_a - (d_ga - d_g)) / d_a if d_a < -1e-6 else None
+        dependence = None if dependence is None else float(min(1.0, max(-1.0, dependence)))
+        sel_c, foc_c = clean_agg[a]["agg_select"], clean_agg[a]["agg_focus"]
+        sel_u, foc_u = under[g][a]["agg_select"], under[g][a]["agg_focus"]
+        sel_drop, foc_drop = _relative_drop(sel_c, sel_u), _relative_drop(foc_c, foc_u)
+        interaction = max(x for x in (sel_drop, foc_drop, 0.0) if x is not None)
+        score = prob[g][0] * prob[a][1] * (0.4 + 0.4 * interaction + 0.2 * max(0.0, dependence or 0.0))
+        rows.append({
+            "task": task, "gather_layer": g.layer, "gather_head": g.index, "gather_kind": g.kind,
+            "aggregate_layer": a.layer, "aggregate_head": a.index, "aggregate_kind": a.kind,
+            "p_gather": prob[g][0], "p_aggregate": prob[a][1],
+            "select_clean": _nan_to_none(sel_c), "select_ablated": _nan_to_none(sel_u), "select_drop": sel_drop,
+            "focus_clean": _nan_to_none(foc_c), "focus_ablated": _nan_to_none(foc_u), "focus_drop": foc_drop,
+            "effect_gather": d_g, "effect_aggregate": d_a, "effect_dependence": dependence, "score": float(score),
+            "_pair": i,
+        })
+    rows.sort(key=lambda r: -r["score"])
+    for rank, r in enumerate(rows, 1):
+        r["rank"] = rank
+    _verify(engine, rows[:k], candidates, joint, acc[len(singles):], control_draws, bootstrap, seed)
+    for r in rows:
+        r.pop("_pair")
+    table = pl.DataFrame(rows, infer_schema_length=None)
+    table = table.select([c for c in PAIR_COLUMNS if c in table.columns])
+    fields["top_pairs"] = [_pair_summary(r) for r in rows[:k]]
+    return table, fields
+
+
+def _verify(engine: AblationEngine, rows: list[dict[str, Any]], candidates: list[tuple[HeadId, HeadId]],
+            joint: torch.Tensor, joint_acc: torch.Tensor, draws: int, bootstrap: int, seed: int) -> None:
+    """Fill the joint-effect and control columns of ``rows`` (the top pairs) in place."""
+    inv = engine.inventory
+    controls: list[list[tuple[HeadId, HeadId]]] = []
+    for r in rows:
+        g, a = candidates[r["_pair"]]
+        pool = [(x, y) for x in inv.group(g.layer, g.kind).heads() for y in inv.group(a.layer, a.kind).heads()
+                if x not in (g, a) and y not in (g, a) and x != y]
+        rng = random.Random(f"{seed}:{g}:{a}")
+        controls.append(pool if len(pool) <= draws else rng.sample(pool, draws))
+    flat = [Ablation(pair, label="control") for pool in controls for pair in pool]
+    control_ld = engine.effects(flat)["logit_diff"].double().mean(-1) if flat else torch.empty(0)  # [draw]
+    start = 0
+    for r, pool in zip(rows, controls):
+        i = r["_pair"]
+        mean, lo, hi = bootstrap_ci(joint[i], bootstrap, seed=seed)
+        r.update(joint_effect=float(mean), joint_effect_lo=float(lo), joint_effect_hi=float(hi),
+                 joint_acc=float(joint_acc[i].mean()))
+        values = control_ld[start:start + len(pool)].numpy()
+        start += len(pool)
+        if len(values) == 0:
+            r.update(control_mean=None, control_q05=None, control_q95=None, control_n=0, control_p=None,
+                     verified=None)
+            continue
+        q05, q95 = (float(v) for v in np.quantile(values, [0.05, 0.95]))
+        r.update(control_mean=float(values.mean()), control_q05=q05, control_q95=q95, control_n=len(values),
+                 control_p=float((1 + (values <= float(mean)).sum()) / (1 + len(values))),
+                 verified=bool(float(hi) < q05) if len(values) >= MIN_CONTROLS else None)
+
+
+def _role_list(heads: list[HeadId], p: np.ndarray, task: str, threshold: float = 0.5, limit: int = 20
+               ) -> list[dict[str, Any]]:
+    order = [i for i in np.argsort(-p, kind="stable") if p[i] >= threshold][:limit]
+    return [{**heads[i].as_dict(), "p": float(p[i]), "task": task} for i in order]
+
+
+def _pair_summary(r: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        "task": r["task"],
+        "gather": {"layer": r["gather_layer"], "head": r["gather_head"], "kind": r["gather_kind"]},
+        "aggregate": {"layer": r["aggregate_layer"], "head": r["aggregate_head"], "kind": r["aggregate_kind"]},
+        "score": r["score"], "p_gather": r["p_gather"], "p_aggregate": r["p_aggregate"],
+        "joint_effect": r.get("joint_effect"), "joint_effect_lo": r.get("joint_effect_lo"),
+        "joint_effect_hi": r.get("joint_effect_hi"), "control_effect": r.get("control_mean"),
+        "control_q05": r.get("control_q05"), "control_q95": r.get("control_q95"), "control_p": r.get("control_p"),
+        "verified": r.get("verified"),
+    }
+
+
+def merge_fields(per_task: Sequence[Mapping[str, Any]], k: int = 3) -> dict[str, Any]:
+    """Summary fields of several tasks: pairs and role lists concatenated (each entry names its task)."""
+    out: dict[str, Any] = {"top_pairs": [], "gather_heads": [], "aggregate_heads": []}
+    for fields in per_task:
+        for key in out:
+            out[key].extend(fields.get(key) or [])
+        if "pair_probabilities" in fields:
+            out["pair_probabilities"] = fields["pair_probabilities"]
+    return out
+
+
+def scan_pairs(lm: Any, heads: pl.DataFrame, summary: Mapping[str, Any], k: int = 3, **kwargs: Any
+               ) -> tuple[pl.DataFrame, dict[str, Any]]:
+    """Pairs for every task of a finished scan: each task's batch rebuilt as the scan built it."""
+    from .tasks import build_task
+    from .tasks.base import annotate
+
+    frames, fields = [], []
+    for task, info in (summary.get("tasks") or {}).items():
+        options = dict(info.get("options") or {})
+        prompts = build_task(task, options).prompts()
+        max_len = getattr(lm.model.config, "max_position_embeddings", None)
+        batch = annotate(prompts, lm.tokenizer, padding_side="left", max_length=max_len)
+        frame, f = rank_pairs(lm, batch, heads, k, summary=summary, task=task,
+                              seed=int(options.get("seed", 0)), **kwargs)
+        frames.append(frame)
+        fields.append(f)
+    table = pl.concat([f for f in frames if f.height], how="diagonal_relaxed") if any(f.height for f in frames) \
+        else pl.DataFrame()
+    return table, merge_fields(fields, k)
+
+
+def write_pairs(out_dir: Any, table: pl.DataFrame, fields: Mapping[str, Any]) -> None:
+    """Write pairs.parquet and merge the fields into summary.json (both atomically)."""
+    import json
+    from pathlib import Path
+
+    from .io import write_json, write_parquet
+
+    out = Path(out_dir)
+    write_parquet(out / "pairs.parquet", table)
+    summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
+    summary.update(fields)
+    write_json(out / "summary.json", summary)

@@ -1,0 +1,89 @@
+"""Pair ranking on a planted G&A circuit (weights set by hand), scanned with gascan's own scan."""
+from __future__ import annotations
+
+import json
+
+import polars as pl
+import pytest
+
+from discovery.heads import HeadId
+from discovery.pairs import PAIR_COLUMNS, aggregate_metrics_under, rank_pairs, write_pairs
+from discovery.planted_ga import planted_model, planted_prompts, write_prompts
+from discovery.tasks.base import annotate
+
+# a layout that is not among the classifier's training variants (discovery.classifier_data.PLANTED_VARIANTS)
+LAYOUT = dict(n_layers=4, n_heads=4, gather=(0, 3), aggregate=(3, 0), seed=11)
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory):
+    from pipelines.scan import ScanOptions, scan_model, write_scan
+
+    circuit = planted_model(**LAYOUT)
+    out = tmp_path_factory.mktemp("planted")
+    task = f"jsonl:{write_prompts(out / 'prompts.jsonl', 16, seed=3)}"
+    heads, summary = scan_model(circuit.lm, ScanOptions(tasks=[task], prompts=16, bootstrap=200))
+    write_scan(out, heads, summary)
+    batch = annotate(planted_prompts(16, seed=3), circuit.lm.tokenizer, padding_side="left")
+    return circuit, heads, summary, batch, out
+
+
+def test_planted_circuit_works_and_needs_both_heads(planted):
+    circuit, heads, summary, _, _ = planted
+    clean = next(iter(summary["tasks"].values()))["clean"]
+    assert clean["acc"] == 1.0 and clean["logit_diff"] > 5
+    by_head = {(r["layer"], r["head"]): r for r in heads.iter_rows(named=True)}
+    g, a = by_head[(0, 3)], by_head[(3, 0)]
+    assert g["d_acc_all"] <= -0.5 and abs(g["d_ld_query"]) < 0.1  # gather acts before the query
+    assert a["d_acc_query"] <= -0.5  # aggregate acts at the query
+    others = [r for k, r in by_head.items() if k not in ((0, 3), (3, 0))]
+    assert max(abs(r["d_ld_all"]) for r in others) < 0.1 * clean["logit_diff"]
+    decoy = by_head[(circuit.decoys["aggregate"].layer, circuit.decoys["aggregate"].index)]
+    assert decoy["agg_select"] >= 0.9 and abs(decoy["d_ld_all"]) < 0.05 * clean["logit_diff"]  # pattern, no effect
+
+
+def test_ranking_finds_the_planted_pair_first_and_verifies_it(planted):
+    circuit, heads, summary, batch, out = planted
+    table, fields = rank_pairs(circuit.lm, batch, heads, k=3, summary=summary, n_gather=4, n_aggregate=4,
+                               control_draws=50, bootstrap=200)
+    assert set(table.columns) == set(PAIR_COLUMNS)
+    best = table.sort("rank").row(0, named=True)
+    assert (best["gather_layer"], best["gather_head"]) == (0, 3)
+    assert (best["aggregate_layer"], best["aggregate_head"]) == (3, 0)
+    # interaction test: without the gather head the aggregate head no longer selects the gold segment
+    assert best["select_clean"] == 1.0 and best["select_drop"] >= 0.5
+    # joint ablation against random pairs from the same layers (3 x 3 = 9 pairs, all used)
+    assert best["control_n"] == 9 and best["verified"] is True
+    assert best["joint_effect_hi"] < best["control_q05"]
+    assert best["joint_effect"] < -0.5 * next(iter(summary["tasks"].values()))["clean"]["logit_diff"]
+    assert abs(best["control_mean"]) < 0.5
+    # a pair with the decoy gather head (same pattern, output unused) scores far lower
+    decoy = circuit.decoys["gather"]
+    with_decoy = table.filter((pl.col("gather_layer") == decoy.layer) & (pl.col("gather_head") == decoy.index)
+                              & (pl.col("aggregate_layer") == 3) & (pl.col("aggregate_head") == 0))
+    if with_decoy.height:
+        assert with_decoy["score"][0] < 0.2 * best["score"]
+        assert (with_decoy["select_drop"][0] or 0.0) < 0.2
+    top = fields["top_pairs"][0]
+    assert top["gather"] == {"layer": 0, "head": 3, "kind": "attn"}
+    assert top["aggregate"] == {"layer": 3, "head": 0, "kind": "attn"}
+    assert top["joint_effect"] == pytest.approx(best["joint_effect"]) and top["verified"] is True
+    assert fields["aggregate_heads"][0]["head"] == 0 and fields["aggregate_heads"][0]["p"] >= 0.5
+    # written next to the scan: the report's verdict names the pair
+    write_pairs(out, table, fields)
+    saved = json.loads((out / "summary.json").read_text())
+    assert saved["top_pairs"][0]["gather"]["head"] == 3
+    from discovery.report import write_report
+
+    write_report(out, circuit.lm)
+    assert "G&amp;A pair found: gather L0H3 → aggregate L3H0" in (out / "report.html").read_text()
+
+
+def test_interaction_patterns_follow_the_ablation(planted):
+    circuit, _, _, batch, _ = planted
+    a, g = HeadId(3, 0, "attn"), HeadId(0, 3, "attn")
+    clean = aggregate_metrics_under(circuit.lm, batch, None, [a])[a]
+    knocked = aggregate_metrics_under(circuit.lm, batch, g, [a])[a]
+    unrelated = aggregate_metrics_under(circuit.lm, batch, HeadId(1, 0, "attn"), [a])[a]
+    assert clean["agg_focus"] > 0.9 and knocked["agg_focus"] < 0.5
+    assert unrelated["agg_focus"] == pytest.approx(clean["agg_focus"], abs=0.05)
