@@ -291,11 +291,11 @@ def published_labels() -> list[dict[str, Any]]:
 
 
 def label_matches_model(rec: Mapping[str, Any], model: str, checkpoint: str | None = None) -> bool:
-    """A label applies to a scanned model when its checkpoint hash is equal or a name/alias is contained
-    in the model's name (case and punctuation ignored: ``Meta-Llama-3.1-8B-Instruct-Q4_K_M.gguf`` matches
+    """A label applies to a scanned model when its checkpoint hash is equal (if both have one), else when a
+    name/alias is contained in the model's name (case and punctuation ignored: ``Meta-Llama-3.1-8B-Instruct-Q4_K_M.gguf`` matches
     ``Llama-3.1-8B-Instruct``)."""
-    if rec.get("checkpoint") and checkpoint and rec["checkpoint"] == checkpoint:
-        return True
+    if rec.get("checkpoint") and checkpoint:
+        return rec["checkpoint"] == checkpoint  # a hash, when both have one, decides alone
     names = [rec.get("model"), *(rec.get("aliases") or [])]
     target = _norm(str(model))
     return any(n and _norm(str(n)) and _norm(str(n)) in target for n in names)
@@ -448,3 +448,16 @@ def load_tables(paths: Iterable[str | Path]) -> pl.DataFrame:
     if not frames:
         raise GascanError("no head tables given", "pass one or more heads.parquet files or scan directories")
     return pl.concat(frames, how="diagonal_relaxed")
+
+
+TRAINING_ROWS = "classifier_training.parquet"
+
+
+def shipped_training_rows() -> pl.DataFrame:
+    """The labelled rows the shipped classifier was trained on (for ``gascan classifier eval``)."""
+    ref = resources.files("discovery") / "data" / TRAINING_ROWS
+    if not ref.is_file():
+        raise GascanError("the shipped training rows are missing",
+                          "pass head tables and --labels to `gascan classifier eval`")
+    with resources.as_file(ref) as path:
+        return pl.read_parquet(path)
