@@ -210,18 +210,16 @@ def load_model(
     try:
         if kind == "gguf":
             files = [directory / name]
-            tqdm_default = os.environ.get("TQDM_DISABLE")
-            os.environ["TQDM_DISABLE"] = "1"  # the GGUF converter's own tqdm bar ignores transformers' switch
-            try:
+            from unittest import mock
+
+            import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+            # the GGUF converter's own tqdm bar ignores transformers' progress-bar switch
+            with mock.patch.object(gguf_utils, "tqdm", lambda iterable, **_: iterable):
                 model = AutoModelForCausalLM.from_pretrained(
                     directory, gguf_file=name, dtype=torch_dtype, local_files_only=True,
                     attn_implementation=attn_implementation,
                 )
-            finally:
-                if tqdm_default is None:
-                    os.environ.pop("TQDM_DISABLE", None)
-                else:
-                    os.environ["TQDM_DISABLE"] = tqdm_default
         else:
             files = sorted(directory.glob("*.safetensors")) or sorted(
                 p for p in directory.iterdir() if p.suffix in PICKLE_SUFFIXES)
