@@ -591,13 +591,15 @@ def _decoys_section(scan: Scan, heads: pl.DataFrame) -> Section:
         sec.paragraphs.append("Heads the evidence stage labelled `decoy`.")
     else:
         feats = head_features(heads)
-        strong = pl.max_horizontal(*(pl.col(c).fill_null(0.0) for c in ("agg_select", "selectivity", "gather_score")
-                                     if c in heads.columns)) if heads.height else pl.lit(0.0)
+        strong = pl.max_horizontal(
+            *(pl.col(c).fill_null(0.0) for c in ("agg_select", "selectivity") if c in heads.columns),
+            *((pl.col("gather_score").fill_null(0.0) - 0.2,) if "gather_score" in heads.columns else ()),
+        ) if heads.height else pl.lit(0.0)
         weak = pl.max_horizontal(pl.Series(feats["drop_all"]).abs().fill_null(0.0),
                                  pl.Series(feats["drop_query"]).abs().fill_null(0.0)) < 0.1
         part = heads.with_columns(strong.alias("_strong"), weak.alias("_weak")).filter(
             (pl.col("_strong") >= 0.6) & pl.col("_weak"))
-        sec.paragraphs.append("Heads with agg select, selectivity or gather score ≥ 0.6 whose single-head ablation "
+        sec.paragraphs.append("Heads with agg select or selectivity ≥ 0.6, or gather score ≥ 0.8, whose single-head ablation "
                               "moves the logit difference by less than 10% of the clean value. A pattern alone "
                               "is not evidence (DESIGN.md); these may also be redundant copies, which only a "
                               "group ablation can tell.")

@@ -114,6 +114,7 @@ def _lomo_summary(lomo) -> dict:
 
 def _print_lomo(lomo) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     table = Table(title="leave-one-model-out (precision and recall at the threshold; rank of the best true head)")
@@ -123,12 +124,12 @@ def _print_lomo(lomo) -> None:
     for c in short:
         table.add_column(c)
     for r in lomo.iter_rows(named=True):
-        table.add_row(*[("–" if r[c] is None else f"{r[c]:.2f}" if isinstance(r[c], float) else str(r[c]))
+        table.add_row(*[escape("–" if r[c] is None else f"{r[c]:.2f}" if isinstance(r[c], float) else str(r[c]))
                         for c in cols])
-    console = Console(width=max(120, Console().width))
+    console = Console(width=max(120, Console().width), emoji=False, highlight=False)
     console.print(table)
     summary = _lomo_summary(lomo)
-    console.print("mean: " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
+    console.print(escape("mean: ") + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
                                       for k, v in summary.items()))
 
 

@@ -29,6 +29,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(table.to_dicts(), indent=1, default=str))
     else:
         from rich.console import Console
+        from rich.markup import escape
         from rich.table import Table
 
         cols = [c for c in COLUMNS if c in table.columns]
@@ -36,8 +37,8 @@ def run(args: argparse.Namespace) -> int:
         for c in cols:
             view.add_column(c.replace("_", " "))
         for r in table.iter_rows(named=True):
-            view.add_row(*[r[c] if isinstance(r[c], str) else fmt(r[c]) for c in cols])
-        Console().print(view)
+            view.add_row(*[escape(r[c] if isinstance(r[c], str) else fmt(r[c])) for c in cols])
+        Console(emoji=False, highlight=False).print(view)
     if args.out:
         path = write_comparison(table, args.out)
         print(f"wrote {path}")

@@ -14,6 +14,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--load-model", action="store_true",
                         help="load the scanned model (summary.json's spec) to redraw the example pattern, "
                         "whatever its size")
+    parser.add_argument("--pairs", action="store_true",
+                        help="(re)rank G&A pairs first: loads the model, runs the interaction test and the "
+                        "verified joint ablations, writes pairs.parquet and updates summary.json")
+    parser.add_argument("--device", default="cpu", help="device for --load-model / --pairs (default cpu)")
     parser.set_defaults(func=run)
 
 
@@ -21,10 +25,22 @@ def run(args: argparse.Namespace) -> int:
     from discovery.report import read_scan, write_report
 
     lm = None
-    if args.load_model:
+    if args.load_model or args.pairs:
         from discovery.loading import load_model
 
-        lm = load_model(read_scan(args.dir).summary.get("spec"))
+        lm = load_model(read_scan(args.dir).summary.get("spec"), device=args.device)
+    if args.pairs:
+        from discovery.pairs import scan_pairs, write_pairs
+
+        scan = read_scan(args.dir)
+        table, fields = scan_pairs(lm, scan.heads, scan.summary)
+        write_pairs(args.dir, table, fields)
+        from discovery.report import head_name
+
+        name = lambda h: head_name(h["layer"], h["head"], h["kind"])  # noqa: E731
+        print(f"ranked {table.height} candidate pairs; top: "
+              + ", ".join(f"{name(p['gather'])} → {name(p['aggregate'])} (verified: {p.get('verified')})"
+                          for p in fields["top_pairs"][:3]))
     path = write_report(args.dir, lm)
     print(f"wrote {path} and {path.with_suffix('.md')}")
     return 0

@@ -1,0 +1,36 @@
+"""End to end on the command line: a saved planted circuit, `gascan scan`, then `gascan report --pairs`."""
+from __future__ import annotations
+
+import json
+
+import polars as pl
+
+from discovery.planted_ga import planted_model, save_planted
+from pipelines.cli import main
+
+
+def test_scan_then_report_with_pairs_names_the_planted_pair(tmp_path, capsys):
+    circuit = planted_model(n_layers=4, n_heads=4, gather=(1, 0), aggregate=(2, 3), seed=21)
+    model = save_planted(circuit, tmp_path / "model", n_prompts=16)
+    truth = json.loads((model / "truth.json").read_text())
+    assert truth["pairs"] == [{"gather": {"layer": 1, "head": 0, "kind": "attn"},
+                               "aggregate": {"layer": 2, "head": 3, "kind": "attn"}}]
+    out = tmp_path / "scan"
+    assert main(["scan", str(model), "--task", f"jsonl:{model / 'prompts.jsonl'}", "--prompts", "16",
+                 "--out", str(out), "--no-report"]) == 0
+    assert main(["report", str(out), "--pairs"]) == 0
+    printed = capsys.readouterr().out
+    assert "top: L1H0 → L2H3 (verified: True)" in printed
+    summary = json.loads((out / "summary.json").read_text())
+    top = summary["top_pairs"][0]
+    assert (top["gather"]["head"], top["aggregate"]["head"]) == (0, 3) and top["verified"] is True
+    assert top["joint_effect"] < top["control_q05"]
+    pairs = pl.read_parquet(out / "pairs.parquet")
+    assert pairs.sort("rank").row(0, named=True)["aggregate_layer"] == 2
+    html = (out / "report.html").read_text()
+    assert "G&amp;A pair found: gather L1H0 → aggregate L2H3" in html
+    assert (out / "figures" / "example_patterns.png").is_file()  # the model was loaded for --pairs
+    # placement advice follows the verified pair
+    assert main(["place", str(out), "--unit", "head", "--budget", "2", "--json"]) == 0
+    chosen = {(c["layer"], c["head"]) for c in json.loads(capsys.readouterr().out)}
+    assert chosen == {(1, 0), (2, 3)}
