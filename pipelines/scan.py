@@ -207,6 +207,8 @@ def scan_task(lm: LoadedModel, task_spec: str, options: ScanOptions, *, layers: 
                 progress("attribution", 0, 1)
             result = atp_effects(lm, batch, heads=heads, method="zero", scope=("all",), metric="logit_diff")
             estimate = result.estimate.mean(-1)
+            if progress:
+                progress("attribution", 1, 1)
             for i, h in enumerate(result.heads):
                 columns[h]["atp_ld"] = estimate[i].item()
 

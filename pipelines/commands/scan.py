@@ -87,6 +87,12 @@ def run(args: argparse.Namespace) -> int:
 
         heads, summary = scan_model(lm, options, progress=progress)
     out = write_scan(args.out, heads, summary)
+    if args.ablation != "none" and heads.height:
+        from discovery.pairs import scan_pairs, write_pairs
+
+        with console.status("ranking gather→aggregate pairs (interaction test, joint ablation vs control)"):
+            pairs, fields = scan_pairs(lm, heads, summary)
+        write_pairs(out, pairs, fields)
     for task, info in summary["tasks"].items():
         clean = info["clean"]
         console.print(f"{task}: accuracy {clean['acc']:.3f}, logit diff {clean['logit_diff']:.3f} "
@@ -97,6 +103,8 @@ def run(args: argparse.Namespace) -> int:
         except ImportError:
             write_report = None
         if write_report is not None:
-            write_report(out)
+            with console.status("writing the report"):
+                html = write_report(out, lm)
+            console.print(f"report: {html}")
     console.print(f"wrote {out / 'heads.parquet'} ({heads.height} rows) and {out / 'summary.json'}")
     return 0
