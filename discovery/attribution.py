@@ -120,9 +120,6 @@ def _check(lm: LoadedModel, batch: AnnotatedBatch, heads, method: str, scope: Se
                           f"use one of {', '.join(ATP_METRICS)}")
     if chunk_prompts < 1:
         raise GascanError(f"chunk_prompts must be at least 1, got {chunk_prompts}", "pass a positive number")
-    if batch.scoring != "next_token":
-        raise GascanError("the attribution screen scores the next token at the query position",
-                          "use a lettered task (next-token scoring)")
     known = set(lm.inventory.heads())
     chosen = list(lm.inventory.heads() if heads is None else heads)
     missing = [h for h in chosen if h not in known]
@@ -340,7 +337,8 @@ def atp_effects(lm: LoadedModel, batch: AnnotatedBatch, *, heads: Sequence[HeadI
 
     ``method``: ``zero`` or ``mean`` (per-position-class mean over the batch, as the engine ablates);
     ``scope``: position classes where the head is ablated; ``metric``: ``logit_diff`` or
-    ``gold_logprob`` at the query position. Prompts are processed ``chunk_prompts`` at a time; the
+    ``gold_logprob`` at the query position over the candidates' first tokens, exactly as the ablation
+    engine scores (whatever the task's own scoring). Prompts are processed ``chunk_prompts`` at a time; the
     QK fix's partial passes hold at most ``max_rows`` rows. See the module docstring for exactly
     what is approximated.
     """
