@@ -410,3 +410,17 @@ def test_score_batch_next_token_matches_unpadded_forward():
         c = last[batch.cand_first_token[i]]
         assert s["acc"][i].item() == float(int(c.argmax()) == p.gold)
         assert s["cand_logits"][i].allclose(c, atol=1e-4)
+
+
+def test_mc_lookup_questions_name_a_word_of_the_gold_option_only():
+    """question=lookup: in-context retrieval ("Which option mentions W?"), solvable for unseen words."""
+    from discovery.tasks import build_task
+
+    prompts = build_task("mc", {"question": "lookup", "option_words": 2, "n": 50, "split": "test"}).prompts()
+    for p in prompts:
+        word = p.text.split("Which option mentions ", 1)[1].split("?", 1)[0]
+        options = [p.text[s:e] for s, e in p.segments]
+        assert [word in o.split() or f"{word}\n" in o for o in options].count(True) == 1
+        assert word in options[p.gold]
+    again = build_task("mc", {"question": "lookup", "option_words": 2, "n": 50, "split": "test"}).prompts()
+    assert [p.text for p in again] == [p.text for p in prompts]

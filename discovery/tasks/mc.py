@@ -152,11 +152,22 @@ def make_option(word: str, n_words: int, rng: random.Random) -> str:
     return " ".join([rng.choice(DETERMINERS), *adjectives, word])
 
 
-def generate_items(n: int, n_choices: int, split: str, option_words: int, rng: random.Random) -> list[MCItem]:
-    """Category questions: one word of the asked category, distractors each from another category."""
+def generate_items(n: int, n_choices: int, split: str, option_words: int, rng: random.Random,
+                   question: str = "category") -> list[MCItem]:
+    """Generated questions; ``question="category"``: one word of the asked category, distractors each from
+    another category (needs word knowledge); ``"lookup"``: "Which option mentions W?", the gold option
+    is the one whose phrase contains W (pure in-context retrieval: solvable for unseen words)."""
     words = category_words(split)
     names = sorted(words)
     items = []
+    if question == "lookup":
+        pool = sorted({w for c in names for w in words[c]})
+        for _ in range(n):
+            chosen = rng.sample(pool, n_choices)
+            answer = rng.randrange(n_choices)
+            choices = [make_option(w, option_words, rng) for w in chosen]
+            items.append(MCItem(f"Which option mentions {chosen[answer]}?", choices, answer, subject="lookup"))
+        return items
     for _ in range(n):
         cats = rng.sample(names, n_choices)  # cats[0] is asked for; the others give distractors
         answer = rng.randrange(n_choices)
@@ -176,6 +187,9 @@ class MCTask(Task):
     default_scoring = "next_token"
     OPTIONS: ClassVar[dict[str, Option]] = {
         "n_choices": Option(4, "options per generated question", int, low=2, high=MAX_CHOICES),
+        "question": Option("category", "generated questions: category ('Which of these is a fruit?', needs word "
+                           "knowledge) or lookup ('Which option mentions apple?', in-context retrieval)", str,
+                           choices=("category", "lookup")),
         "labels": Option("upper", "option labels: upper (A B C D), lower (a b c d), digits (1 2 3 4) "
                          "or a list X,Y,Z", str, check=_check_labels),
         "split": Option("all", "generator words: train and test are DISJOINT word lists", str,
@@ -206,10 +220,10 @@ class MCTask(Task):
                     "use fewer choices or more labels",
                 )
             rng = random.Random(o["seed"])
-            items = generate_items(o["n"], o["n_choices"], o["split"], o["option_words"], rng)
+            items = generate_items(o["n"], o["n_choices"], o["split"], o["option_words"], rng, o["question"])
             shot_rng = random.Random(o["seed"] + 7919)
             pool = (generate_items(max(o["shots"] * 4, 1), o["n_choices"], o["split"], o["option_words"],
-                                   shot_rng) if o["shots"] else [])
+                                   shot_rng, o["question"]) if o["shots"] else [])
             shots_for = [shot_rng.sample(pool, o["shots"]) if o["shots"] else [] for _ in items]
         else:
             all_items = read_mc_file(self.path, labels, o["on_bad_row"], self.skipped)
