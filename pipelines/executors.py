@@ -36,24 +36,41 @@ class Executor(Protocol):
 
 
 class SerialExecutor:
-    """Every shard in this process, in plan order, with one model cache (a model loads once)."""
+    """Every shard in this process, in plan order, with one model cache (a model loads once).
+
+    ``threads``: torch threads while the batch runs (restored afterwards); None keeps torch's
+    default. On a CPU shared with other jobs, 1 thread avoids OpenMP oversubscription.
+    """
 
     name = "serial"
 
-    def __init__(self, cache_size: int = 1) -> None:
+    def __init__(self, cache_size: int = 1, threads: int | None = None) -> None:
+        if threads is not None and threads < 1:
+            raise GascanError(f"--threads {threads} is not positive", "use 1 or more, or leave it out")
         self.cache_size = cache_size
+        self.threads = threads
         self.loads = 0
 
     def run(self, shards: Sequence[Shard], shard_fn: ShardFn, load: LoadOptions) -> Iterator[ShardOutcome]:
         cache = ModelCache(load, self.cache_size)
+        previous = None
+        if self.threads is not None and shards:
+            import torch
+
+            previous = torch.get_num_threads()
+            torch.set_num_threads(self.threads)
         try:
             for shard in shards:
                 yield execute_shard(shard_fn, shard, cache)
         finally:
             self.loads += cache.loads
+            if previous is not None:
+                import torch
+
+                torch.set_num_threads(previous)
 
     def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "model_loads": self.loads}
+        return {"name": self.name, "model_loads": self.loads, "threads": self.threads}
 
 
 class ShardWorker:

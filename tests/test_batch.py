@@ -20,6 +20,7 @@ from pathlib import Path
 
 import polars as pl
 import pytest
+import torch
 from polars.testing import assert_frame_equal
 
 from discovery.errors import GascanError
@@ -366,7 +367,8 @@ def ray_cluster():
 def test_ray_matches_serial_on_checkpoint_series(ray_cluster, series, tmp_path_factory, tmp_path):
     root = _real_series(tmp_path_factory, series)
     spec = override(load_spec(root), prompts=8, bootstrap=50, layers_per_shard=2)
-    serial = SerialExecutor()
+    threads_before = torch.get_num_threads()
+    serial = SerialExecutor(threads=1)  # as each Ray actor (1 CPU); 2 threads on a busy 2-core box crawl
     t0 = time.perf_counter()
     a = run_batch(spec, tmp_path / "serial", serial, progress=False, reports=False)
     t1 = time.perf_counter()
@@ -375,6 +377,7 @@ def test_ray_matches_serial_on_checkpoint_series(ray_cluster, series, tmp_path_f
     print(f"\nseries of {len(spec.checkpoints)}: {a.total} shards, serial {t1 - t0:.1f} s, ray {t2 - t1:.1f} s")
     assert a.failures == [] and b.failures == [] and a.ran == b.ran == a.total
     assert serial.loads == len(spec.checkpoints)  # one model load per checkpoint, not per shard
+    assert torch.get_num_threads() == threads_before  # the serial executor restored torch's threads
     keys = ["checkpoint_name", "task", "layer", "kind", "head"]
     left = pl.read_parquet(tmp_path / "serial" / "heads.parquet").sort(keys)
     right = pl.read_parquet(tmp_path / "ray" / "heads.parquet").sort(keys)
@@ -456,7 +459,8 @@ def test_cli_batch_on_series_with_reports(series, tmp_path, capsys):
     from pipelines.cli import main
 
     out = tmp_path / "out"
-    code = main(["batch", str(series), "--out", str(out), "--prompts", "4", "--ablation", "none", "--quiet"])
+    code = main(["batch", str(series), "--out", str(out), "--prompts", "4", "--ablation", "none", "--quiet",
+                 "--threads", "1"])
     assert code == 0, capsys.readouterr().err
     summary = json.loads((out / "batch_summary.json").read_text())
     assert summary["shards"] == {"total": 3, "ran": 3, "skipped": 0, "failed": 0, "done": 3}

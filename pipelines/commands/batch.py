@@ -26,6 +26,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         help="GPUs per Ray actor (1: one actor per GPU; fractions share a GPU; default 0)")
     parser.add_argument("--max-retries", type=int, default=2, metavar="N",
                         help="resubmissions of a shard whose worker process died (default 2)")
+    parser.add_argument("--threads", type=int, default=None, metavar="N",
+                        help="torch threads of the serial executor (default: torch's; Ray actors use 1 per CPU)")
     overrides = parser.add_argument_group("overrides of the spec")
     overrides.add_argument("--task", action="append", default=None, metavar="T", help="task spec (repeatable)")
     overrides.add_argument("--ablation", default=None, help="exact, query, atp or none")
@@ -63,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         executor = RayExecutor(address=args.ray_address, workers=args.workers, gpus_per_worker=args.gpus_per_worker,
                                max_retries=args.max_retries)
     else:
-        executor = SerialExecutor()
+        executor = SerialExecutor(threads=args.threads)
     console.print(f"[bold]{spec.name}[/bold]: {len(spec.checkpoints)} checkpoints x {len(spec.tasks)} tasks "
                   f"({', '.join(spec.tasks)}), executor {args.executor}")
     result = run_batch(spec, args.out, executor, progress=not args.quiet, console=console,
