@@ -20,14 +20,14 @@ import polars as pl
 from .errors import GascanError
 
 PLANTED_VARIANTS: tuple[dict[str, Any], ...] = (
-    dict(n_layers=4, n_heads=4, gather=(1, 2), aggregate=(2, 1), seed=0),
-    dict(n_layers=3, n_heads=4, gather=(0, 1), aggregate=(1, 3), seed=1),
-    dict(n_layers=5, n_heads=4, gather=(1, 0), aggregate=(3, 2), seed=2),
-    dict(n_layers=6, n_heads=2, gather=(2, 1), aggregate=(3, 0), seed=3),
-    dict(n_layers=4, n_heads=8, gather=(0, 4), aggregate=(3, 5), seed=4),
-    dict(n_layers=5, n_heads=4, gather=(2, 2), aggregate=(4, 0), seed=5, decoys=False),
-    dict(n_layers=6, n_heads=4, gather=(3, 3), aggregate=(4, 1), seed=6, aggregate_copies=2),
-    dict(n_layers=4, n_heads=4, gather=(0, 0), aggregate=(2, 3), seed=7, filler_scale=0.03),
+    {"n_layers": 4, "n_heads": 4, "gather": (1, 2), "aggregate": (2, 1), "seed": 0},
+    {"n_layers": 3, "n_heads": 4, "gather": (0, 1), "aggregate": (1, 3), "seed": 1},
+    {"n_layers": 5, "n_heads": 4, "gather": (1, 0), "aggregate": (3, 2), "seed": 2},
+    {"n_layers": 6, "n_heads": 2, "gather": (2, 1), "aggregate": (3, 0), "seed": 3},
+    {"n_layers": 4, "n_heads": 8, "gather": (0, 4), "aggregate": (3, 5), "seed": 4},
+    {"n_layers": 5, "n_heads": 4, "gather": (2, 2), "aggregate": (4, 0), "seed": 5, "decoys": False},
+    {"n_layers": 6, "n_heads": 4, "gather": (3, 3), "aggregate": (4, 1), "seed": 6, "aggregate_copies": 2},
+    {"n_layers": 4, "n_heads": 4, "gather": (0, 0), "aggregate": (2, 3), "seed": 7, "filler_scale": 0.03},
 )
 
 # derive_truth thresholds (fractions of the clean logit difference)
@@ -39,10 +39,11 @@ def build_planted_set(out_root: str | Path, *, prompts: int = 32, variants: Sequ
                       pairs: bool = True, progress: Callable[[str], None] | None = None) -> list[Path]:
     """Scan every planted variant into ``out_root/<name>/`` (heads.parquet, summary.json, truth.json,
     pairs.parquet); returns the scan directories."""
+    from pipelines.scan import ScanOptions, scan_model, write_scan
+
     from .io import write_json
     from .pairs import scan_pairs, write_pairs
     from .planted_ga import planted_model, write_prompts
-    from pipelines.scan import ScanOptions, scan_model, write_scan
 
     dirs = []
     for i, variant in enumerate(variants):

@@ -44,6 +44,11 @@ def training_step(scan_dir: Path, summary: dict[str, Any]) -> int | None:
     return None
 
 
+def _pick(frame: pl.DataFrame, head: dict[str, Any]) -> pl.DataFrame:
+    return frame.filter((pl.col("layer") == head["layer"]) & (pl.col("head") == head["head"])
+                        & (pl.col("kind") == head["kind"]))
+
+
 def _best(frame: pl.DataFrame, column: str) -> dict[str, Any] | None:
     if column not in frame.columns or frame[column].drop_nulls().len() == 0:
         return None
@@ -63,7 +68,6 @@ def compare_scans(dirs: Sequence[str | Path]) -> pl.DataFrame:
         s = scan.summary
         heads = scored_heads(scan)
         n_layers = int(s.get("n_layers") or int(heads["layer"].max()) + 1)
-        depth = lambda layer: layer / (n_layers - 1) if n_layers > 1 else 0.0  # noqa: E731
         step = training_step(scan.dir, s)
         for task in scan.tasks:
             frame = heads.filter(pl.col("task") == task)
@@ -79,9 +83,7 @@ def compare_scans(dirs: Sequence[str | Path]) -> pl.DataFrame:
             g = a = None
             if pairs:
                 top = pairs[0]
-                pick = lambda h: frame.filter((pl.col("layer") == h["layer"]) & (pl.col("head") == h["head"])  # noqa: E731
-                                              & (pl.col("kind") == h["kind"]))
-                gs, as_ = pick(top["gather"]), pick(top["aggregate"])
+                gs, as_ = _pick(frame, top["gather"]), _pick(frame, top["aggregate"])
                 g = gs.row(0, named=True) if gs.height else None
                 a = as_.row(0, named=True) if as_.height else None
                 row.update(pair_score=top.get("score"), pair_verified=top.get("verified"),
@@ -94,7 +96,7 @@ def compare_scans(dirs: Sequence[str | Path]) -> pl.DataFrame:
                 if h is None:
                     continue
                 row[f"{role}_head"] = f"L{h['layer']}{'H' if h['kind'] == 'attn' else 'S'}{h['head']}"
-                row[f"{role}_depth"] = depth(h["layer"])
+                row[f"{role}_depth"] = h["layer"] / (n_layers - 1) if n_layers > 1 else 0.0
                 row[f"p_{role}"] = h.get(f"p_{role}")
             if g is not None:
                 row["gather_drop"] = g.get("drop_all")
@@ -194,8 +196,8 @@ def write_comparison(table: pl.DataFrame, out: str | Path) -> Path:
     md += [""] + [f"![{title}](figures/compare_{name}.png)" for name, title, _ in figures]
     write_text(out / "compare.md", "\n".join(md) + "\n")
     html = ["<!DOCTYPE html><html><head><meta charset='utf-8'><title>gascan comparison</title>",
-            "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;font-size:.85em}"
-            "td,th{border:1px solid #ccc;padding:3px 6px}img{max-width:100%}</style></head><body>",
+            ("<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;font-size:.85em}"
+             "td,th{border:1px solid #ccc;padding:3px 6px}img{max-width:100%}</style></head><body>"),
             "<h1>gascan comparison</h1><table><tr>" + "".join(f"<th>{esc(c)}</th>" for c in cols) + "</tr>"]
     html += ["<tr>" + "".join(f"<td>{esc(r[c] if isinstance(r[c], str) else fmt(r[c]))}</td>" for c in cols) + "</tr>"
              for r in table.iter_rows(named=True)]

@@ -41,7 +41,7 @@ from .stats import bootstrap_ci
 
 PAIR_COLUMNS = (
     "task", "rank", "gather_layer", "gather_head", "gather_kind", "aggregate_layer", "aggregate_head",
-    "aggregate_kind", "p_gather", "p_aggregate", "select_clean", "select_ablated", "select_drop", "focus_clean",
+    "aggregate_kind", "p_gather", "p_aggregate", "gather_role", "aggregate_role", "select_clean", "select_ablated", "select_drop", "focus_clean",
     "focus_ablated", "focus_drop", "effect_gather", "effect_aggregate", "effect_dependence", "score",
     "joint_effect", "joint_effect_lo", "joint_effect_hi", "joint_acc", "control_mean", "control_q05",
     "control_q95", "control_n", "control_p", "verified",
@@ -91,7 +91,7 @@ def aggregate_metrics_under(lm: Any, batch: Any, ablate: HeadId | None, watch: S
     edits_for = None
     if ablate is not None:
         engine = engine or AblationEngine(lm, batch)
-        edits_for = lambda rows: engine.plan([Ablation((ablate,))], rows)  # noqa: E731
+        edits_for = lambda rows: engine.plan([Ablation((ablate,))], rows)
     for_each_pattern(lm, batch, sink, layers=sorted({h.layer for h in watch}), kinds=sorted({h.kind for h in watch}),
                      chunk_prompts=chunk, edits_for=edits_for)
     return {h: {name: float(torch.nanmean(torch.cat(v)).item()) if v else float("nan") for name, v in named.items()}
@@ -128,8 +128,15 @@ def rank_pairs(lm: Any, batch: Any, heads_frame: pl.DataFrame, k: int = 3, *, su
     task = tasks[0] if tasks else (task or "")
     p_g, p_a, source = head_probabilities(frame, summary, clf)
     head_ids = [HeadId(int(r[0]), int(r[1]), str(r[2])) for r in frame.select("layer", "head", "kind").rows()]
-    gather_rank = [head_ids[i] for i in np.argsort(-p_g, kind="stable")[:n_gather]]
-    aggregate_rank = [head_ids[i] for i in np.argsort(-p_a, kind="stable")[:n_aggregate]]
+    # the evidence stage's roles, when the table has them: its gather/aggregate heads are always candidates,
+    # its decoys (pattern without effect at any scope) never are
+    roles = frame["role"].to_list() if "role" in frame.columns else [None] * len(head_ids)
+    decoy = {h for h, r in zip(head_ids, roles) if r == "decoy"}
+    gather_rank = [head_ids[i] for i in np.argsort(-p_g, kind="stable") if head_ids[i] not in decoy][:n_gather]
+    aggregate_rank = [head_ids[i] for i in np.argsort(-p_a, kind="stable") if head_ids[i] not in decoy][:n_aggregate]
+    gather_rank += [h for h, r in zip(head_ids, roles) if r == "gather" and h not in gather_rank]
+    aggregate_rank += [h for h, r in zip(head_ids, roles) if r == "aggregate" and h not in aggregate_rank]
+    role_of = dict(zip(head_ids, roles))
     prob = {h: (float(p_g[i]), float(p_a[i])) for i, h in enumerate(head_ids)}
     candidates = [(g, a) for g in gather_rank for a in aggregate_rank if g.layer < a.layer]
     fields: dict[str, Any] = {"gather_heads": _role_list(head_ids, p_g, task), "aggregate_heads":
@@ -169,6 +176,7 @@ def rank_pairs(lm: Any, batch: Any, heads_frame: pl.DataFrame, k: int = 3, *, su
             "task": task, "gather_layer": g.layer, "gather_head": g.index, "gather_kind": g.kind,
             "aggregate_layer": a.layer, "aggregate_head": a.index, "aggregate_kind": a.kind,
             "p_gather": prob[g][0], "p_aggregate": prob[a][1],
+            "gather_role": role_of.get(g), "aggregate_role": role_of.get(a),
             "select_clean": _nan_to_none(sel_c), "select_ablated": _nan_to_none(sel_u), "select_drop": sel_drop,
             "focus_clean": _nan_to_none(foc_c), "focus_ablated": _nan_to_none(foc_u), "focus_drop": foc_drop,
             "effect_gather": d_g, "effect_aggregate": d_a, "effect_dependence": dependence, "score": float(score),
@@ -240,18 +248,22 @@ def merge_fields(per_task: Sequence[Mapping[str, Any]], k: int = 3) -> dict[str,
     """Summary fields of several tasks: pairs and role lists concatenated (each entry names its task)."""
     out: dict[str, Any] = {"top_pairs": [], "gather_heads": [], "aggregate_heads": []}
     for fields in per_task:
-        for key in out:
-            out[key].extend(fields.get(key) or [])
+        for key, items in out.items():
+            items.extend(fields.get(key) or [])
         if "pair_probabilities" in fields:
             out["pair_probabilities"] = fields["pair_probabilities"]
     return out
 
 
-def scan_pairs(lm: Any, heads: pl.DataFrame, summary: Mapping[str, Any], k: int = 3, **kwargs: Any
-               ) -> tuple[pl.DataFrame, dict[str, Any]]:
-    """Pairs for every task of a finished scan: each task's batch rebuilt as the scan built it."""
+def scan_pairs(lm: Any, heads: pl.DataFrame, summary: Mapping[str, Any], k: int = 3, *,
+               evidence: pl.DataFrame | None = None, **kwargs: Any) -> tuple[pl.DataFrame, dict[str, Any]]:
+    """Pairs for every task of a finished scan: each task's batch rebuilt as the scan built it. With the
+    evidence stage's table (``evidence.parquet``), its roles steer the candidates (see :func:`rank_pairs`)."""
+    from .report import with_evidence
     from .tasks import build_task
     from .tasks.base import annotate
+
+    heads = with_evidence(heads, evidence)
 
     frames, fields = [], []
     for task, info in (summary.get("tasks") or {}).items():

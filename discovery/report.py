@@ -103,6 +103,9 @@ class Scan:
     summary: dict[str, Any]
     heads: pl.DataFrame
     pairs: pl.DataFrame | None = None
+    evidence: pl.DataFrame | None = None  # evidence.parquet (discovery.evidence): roles, scopes, minimal model
+    evidence_groups: pl.DataFrame | None = None
+    evidence_depth: pl.DataFrame | None = None
 
     @property
     def tasks(self) -> list[str]:
@@ -124,18 +127,41 @@ def read_scan(out_dir: str | Path) -> Scan:
     try:
         summary = json.loads(summary_path.read_text(encoding="utf-8"))
         heads = pl.read_parquet(table)
-    except Exception as err:  # corrupt files: name them
+    except (OSError, ValueError, pl.exceptions.PolarsError) as err:  # corrupt files: name them
         raise GascanError(f"cannot read the scan in {out} ({err.__class__.__name__}: {str(err)[:120]})",
                           "rerun `gascan scan` for this model") from None
-    pairs = None
-    if (out / PAIRS_FILE).is_file():
-        pairs = pl.read_parquet(out / PAIRS_FILE)
-    return Scan(out, summary, heads, pairs)
+    extra: dict[str, pl.DataFrame | None] = {}
+    for key, name in (("pairs", PAIRS_FILE), ("evidence", "evidence.parquet"),
+                      ("evidence_groups", "evidence_groups.parquet"), ("evidence_depth", "evidence_depth.parquet")):
+        path = out / name
+        try:
+            extra[key] = pl.read_parquet(path) if path.is_file() else None
+        except (OSError, pl.exceptions.PolarsError) as err:
+            raise GascanError(f"cannot read {path} ({err.__class__.__name__})",
+                              f"delete it or rerun the stage that writes {name}") from None
+    return Scan(out, summary, heads, **extra)
+
+
+EVIDENCE_JOIN = ("task", "layer", "head", "kind")
+
+
+def with_evidence(heads: pl.DataFrame, evidence: pl.DataFrame | None) -> pl.DataFrame:
+    """The head table plus the evidence stage's per-head columns it lacks (roles, position-resolved and
+    minimal-model effects)."""
+    if evidence is None or evidence.height == 0:
+        return heads
+    keys = [k for k in EVIDENCE_JOIN if k in heads.columns and k in evidence.columns]
+    new = [c for c in evidence.columns if c not in heads.columns]
+    if not new or len(keys) < 3:
+        return heads
+    right = evidence.select(keys + new).unique(keys, keep="first")
+    return heads.join(right, on=keys, how="left")
 
 
 def scored_heads(scan: Scan) -> pl.DataFrame:
-    """The head table with ``p_gather``/``p_aggregate`` (from the table, else the shipped classifier)."""
-    heads = scan.heads
+    """The head table with the evidence stage's columns and ``p_gather``/``p_aggregate`` (from the table,
+    else the shipped classifier)."""
+    heads = with_evidence(scan.heads, scan.evidence)
     if "p_gather" in heads.columns and "p_aggregate" in heads.columns:
         return heads
     try:
@@ -427,7 +453,7 @@ def example_for_report(scan: Scan, heads: pl.DataFrame, lm: Any = None) -> tuple
     if lm is None and path.is_file():
         try:
             return load_example(path), ""
-        except Exception as err:  # an unreadable file is not fatal for the report
+        except (OSError, ValueError, KeyError) as err:  # an unreadable file is not fatal for the report
             note = f"could not read {PATTERNS_FILE} ({err.__class__.__name__})"
             if not _cheap_spec(scan.summary.get("spec")):
                 return None, note
@@ -478,22 +504,39 @@ def _ci(row: Mapping[str, Any], column: str) -> str:
 
 def verdict_text(scan: Scan) -> str:
     """The model's verdict: issue-8 verdict if the scan wrote one, else from the verified pairs."""
-    verdict = scan.summary.get("verdict")
-    if isinstance(verdict, str):
-        return verdict
-    if isinstance(verdict, Mapping):
-        return str(verdict.get("text") or verdict.get("verdict") or json.dumps(verdict))
+    evidence = scan.summary.get("evidence")
+    if isinstance(evidence, Mapping) and evidence:
+        parts = []
+        for task, info in evidence.items():
+            if isinstance(info, Mapping) and info.get("verdict"):
+                label = VERDICT_WORDS.get(str(info["verdict"]), str(info["verdict"]))
+                parts.append(f"{task}: {label}" + (f" — {info['reason']}" if info.get("reason") else ""))
+        if parts:
+            return " ".join(parts)
+    return pair_verdict(scan)
+
+
+VERDICT_WORDS = {"clean": "clean G&A pair(s) found", "distributed": "G&A distributed over several heads",
+                 "none": "no G&A"}
+
+
+def pair_verdict(scan: Scan) -> str:
+    """What the pair ranking concluded (top pair verified against random same-layer pairs, or not)."""
     pairs = scan.summary.get("top_pairs") or []
     if not pairs:
         return "No ranked G&A pairs in this scan (pair ranking did not run)."
     best = pairs[0]
-    name = lambda h: head_name(h["layer"], h["head"], h["kind"])  # noqa: E731
+    name = lambda h: head_name(h["layer"], h["head"], h["kind"])
     verified = [p for p in pairs if p.get("verified")]
     if verified:
         v = verified[0]
         return (f"G&A pair found: gather {name(v['gather'])} → aggregate {name(v['aggregate'])} "
                 f"(joint ablation {fmt(v.get('joint_effect'))} vs random same-layer pairs "
                 f"{fmt(v.get('control_effect'))}).")
+    if best.get("verified") is None and best.get("joint_effect") is not None:
+        return (f"Unverified G&A candidate: {name(best['gather'])} → {name(best['aggregate'])} (score "
+                f"{fmt(best.get('score'))}, joint ablation {fmt(best.get('joint_effect'))}); its layers hold too few "
+                "other heads for a random same-layer control.")
     return (f"No confident G&A pair: the best candidate {name(best['gather'])} → {name(best['aggregate'])} "
             f"(score {fmt(best.get('score'))}) did not beat random same-layer pairs under joint ablation.")
 
@@ -511,8 +554,8 @@ def _clean_section(scan: Scan) -> Section:
 
 def _top_heads_section(scan: Scan, heads: pl.DataFrame, k: int = 10) -> Section:
     sec = Section("Heads with the largest effects",
-                  ["Zero ablation of one head; Δ = ablated − clean, mean over prompts with a 95% bootstrap interval. "
-                   "Negative = the head helps the task."])
+                  [("Zero ablation of one head; Δ = ablated − clean, mean over prompts with a 95% bootstrap "
+                    "interval. Negative = the head helps the task.")])
     for task in scan.tasks:
         frame = heads.filter(pl.col("task") == task)
         column = next((c for c in ("d_ld_all", "d_ld_query", "atp_ld") if c in frame.columns
@@ -554,7 +597,7 @@ def _roles_section(scan: Scan, heads: pl.DataFrame) -> Section:
 
 
 def _pairs_section(scan: Scan) -> Section:
-    sec = Section("Top G&A pairs", [verdict_text(scan)])
+    sec = Section("Top G&A pairs", [pair_verdict(scan)])
     pairs = scan.pairs
     if pairs is None or pairs.height == 0:
         sec.paragraphs.append("No pairs.parquet in this scan.")
@@ -613,13 +656,84 @@ def _decoys_section(scan: Scan, heads: pl.DataFrame) -> Section:
     return sec
 
 
+def _rank_in(frame: pl.DataFrame, column: str, value: float | None) -> int | None:
+    """1 + how many rows of ``frame`` score above ``value`` in ``column``."""
+    if value is None or column not in frame.columns:
+        return None
+    return int((frame[column] > value).sum()) + 1
+
+
+def _evidence_section(scan: Scan, heads: pl.DataFrame) -> Section | None:
+    """Roles with their evidence and the group ablations, from the evidence stage (discovery.evidence)."""
+    if "role" not in heads.columns and scan.evidence_groups is None:
+        return None
+    sec = Section("Roles by the evidence standards",
+                  [("A head is gather or aggregate only when its pattern and its causal effect at the right "
+                    "positions agree; decoy = G&A-like pattern and no effect at any scope, minimal model included "
+                    "(thresholds in summary.json, evidence.*.thresholds).")])
+    if "role" in heads.columns:
+        part = heads.filter(pl.col("role").is_not_null() & (pl.col("role") != "none"))
+        order = {"gather": 0, "aggregate": 1, "other_important": 2, "decoy": 3}
+        part = part.with_columns(pl.col("role").replace_strict(order, default=9).alias("_o")).sort("_o", "layer", "head")
+        rows = [[r["task"], head_name(r["layer"], r["head"], r["kind"]), r["role"], r.get("where") or "",
+                 r.get("evidence") or ""] for r in part.head(40).iter_rows(named=True)]
+        if rows:
+            sec.tables.append(Table(["task", "head", "role", "where the effect lives", "evidence"], rows))
+        else:
+            sec.paragraphs.append("No head has a role beyond none.")
+    minimal = []
+    for task, info in (scan.summary.get("evidence") or {}).items():
+        mm = (info or {}).get("minimal_model") or {}
+        if mm.get("depth") is not None:
+            minimal.append(f"{task}: the minimal model keeps {mm['depth']} of {mm.get('n_layers')} layers.")
+    sec.paragraphs += minimal
+    groups = scan.evidence_groups
+    if groups is not None and groups.height:
+        rows = []
+        for r in groups.iter_rows(named=True):
+            control = (f"{fmt(r.get('control_mean'))} [{fmt(r.get('control_p05'))}, {fmt(r.get('control_p95'))}]"
+                       if r.get("control_mean") is not None else "–")
+            rows.append([r.get("task", ""), r.get("group"), r.get("scope"), r.get("n"), _ci(
+                {"e": r.get("effect"), "e_lo": r.get("effect_lo"), "e_hi": r.get("effect_hi")}, "e"),
+                control, r.get("significant"), ", ".join(r.get("credited") or [])])
+        sec.tables.append(Table(["task", "group", "scope", "heads", "joint Δ logit diff", "control Δ (5–95%)",
+                                 "significant", "credited"], rows))
+    return sec
+
+
+def minimal_depth_figure(scan: Scan) -> bytes | None:
+    """Task score of the model truncated after each layer (the evidence stage's depth profile)."""
+    depth = scan.evidence_depth
+    if depth is None or depth.height == 0:
+        return None
+    plt = _plt()
+    with plt.rc_context({"text.parse_math": False}):
+        fig, ax = plt.subplots(figsize=(5.5, 3.2))
+        groups = depth.partition_by("task", as_dict=True, maintain_order=True) if "task" in depth.columns \
+            else {("",): depth}
+        for (task,), part in groups.items():
+            part = part.sort("depth")
+            ax.plot(part["depth"].to_numpy(), part["acc"].to_numpy(), "o-", label=f"{task} accuracy")
+            mm = (((scan.summary.get("evidence") or {}).get(task) or {}).get("minimal_model") or {}).get("depth")
+            if mm is not None:
+                ax.axvline(mm, color="0.5", linestyle="--", linewidth=1)
+        if "chance" in depth.columns:
+            ax.axhline(float(depth["chance"][0]), color="0.7", linewidth=1, label="chance")
+        ax.set_xlabel("layers kept (read out through the final norm)")
+        ax.set_ylabel("accuracy")
+        ax.set_title("minimal model: score of the truncated model (dashed: minimal depth)", fontsize=9)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        return _png(fig)
+
+
 def _published_section(scan: Scan, heads: pl.DataFrame) -> Section | None:
     """Where the paper's G&A heads rank in this scan, when this model is one of the paper's."""
     from .classifier import label_rows, published_labels
 
     try:
         labels = published_labels()
-    except Exception:
+    except (OSError, ValueError, KeyError):  # a broken install: report without this section
         return None
     labelled = label_rows(heads, labels)
     known = labelled.filter(pl.col("role_label").is_in(["gather", "aggregate"])) if labelled.height else labelled
@@ -630,9 +744,9 @@ def _published_section(scan: Scan, heads: pl.DataFrame) -> Section | None:
     rows = []
     for r in known.iter_rows(named=True):
         task_rows = heads.filter(pl.col("task") == r["task"])
-        rank_of = lambda col, v: int((task_rows[col] > v).sum()) + 1 if col in task_rows.columns and v is not None else None  # noqa: E731
+        column = f"p_{r['role_label']}"
         rows.append([r["task"], r["role_label"], head_name(r["layer"], r["head"], r["kind"]),
-                     r.get(f"p_{r['role_label']}"), rank_of(f"p_{r['role_label']}", r.get(f"p_{r['role_label']}")),
+                     r.get(column), _rank_in(task_rows, column, r.get(column)),
                      _ci(r, "d_ld_all")])
     sec.tables.append(Table(["task", "role", "head", "P(role)", "rank by P", "Δ logit diff (all)"], rows))
     return sec
@@ -660,16 +774,24 @@ def build_sections(scan: Scan, lm: Any = None) -> tuple[list[Section], list[Figu
     n_layers = int(scan.summary.get("n_layers") or (int(heads["layer"].max()) + 1 if heads.height else 1))
     sections = [_clean_section(scan), _pairs_section(scan), _roles_section(scan, heads),
                 _top_heads_section(scan, heads), _decoys_section(scan, heads)]
+    evidence = _evidence_section(scan, heads)
+    if evidence:
+        sections.insert(2, evidence)
     published = _published_section(scan, heads)
     if published:
         sections.append(published)
     figures: list[Figure] = []
+    png = minimal_depth_figure(scan)
     profile = Section("G&A depth profile",
-                      ["Per layer, the strongest gather evidence (gather score × all-position effect) and aggregate "
-                       "evidence (agg select × query-position effect), effects relative to the clean logit "
-                       "difference; and the largest classifier probabilities."])
-    maps = Section("Layer × head maps", ["Red = ablating the head lowers the logit difference (blue: raises it). G / A mark the top "
-                                         "gather and aggregate heads."])
+                      [("Per layer, the strongest gather evidence (gather score × all-position effect) and "
+                        "aggregate evidence (agg select × query-position effect), effects relative to the clean "
+                        "logit difference; and the largest classifier probabilities.")])
+    if png:
+        fig = Figure("minimal_model", "Minimal model: accuracy of the truncated model", png)
+        profile.figures.append(fig)
+        figures.append(fig)
+    maps = Section("Layer × head maps", [("Red = ablating the head lowers the logit difference (blue: raises it). "
+                                          "G / A mark the top gather and aggregate heads.")])
     for t, task in enumerate(scan.tasks):
         frame = heads.filter(pl.col("task") == task)
         png = depth_profile_figure(frame, n_layers, f"{task}")
@@ -763,8 +885,8 @@ pre{white-space:pre-wrap;background:#f7f7f7;padding:0.6em;font-size:0.8em}
 
 def render_html(scan: Scan, sections: Sequence[Section]) -> str:
     out = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
-           '<meta http-equiv="Content-Security-Policy" content="default-src \'none\'; img-src data:; '
-           'style-src \'unsafe-inline\'">',
+           ('<meta http-equiv="Content-Security-Policy" content="default-src \'none\'; img-src data:; '
+            'style-src \'unsafe-inline\'">'),
            f"<title>gascan report: {esc(scan.summary.get('model', '?'))}</title>",
            f"<style>{_CSS}</style></head><body>",
            f"<h1>gascan report: {esc(scan.summary.get('model', '?'))}</h1>", "<table>"]

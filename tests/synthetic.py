@@ -29,7 +29,7 @@ def synthetic_heads(model: str = "synthetic", *, n_layers: int = 6, n_heads: int
     for layer in range(n_layers):
         layer_kind = "ssm" if layer in ssm_layers else kind
         for head in range(n_heads):
-            noise = lambda s=0.05: rng.gauss(0.0, s)  # noqa: E731
+            noise = lambda s=0.05: rng.gauss(0.0, s)
             row = {
                 "model": model, "checkpoint": checkpoint or f"ck-{model}", "task": task, "layer": layer,
                 "head": head, "kind": layer_kind, "depth": layer / (n_layers - 1),

@@ -10,14 +10,24 @@ import polars as pl
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from synthetic import synthetic_heads, synthetic_summary, write_synthetic_scan  # noqa: E402
+from synthetic import synthetic_heads, synthetic_summary, write_synthetic_scan
 
-from discovery.classifier import (  # noqa: E402
-    FEATURES, HeadClassifier, attach_clean, head_features, label_matches_model, label_rows, leave_one_model_out,
-    load_classifier, published_labels, save_classifier, score_heads, train_classifier,
+from discovery.classifier import (
+    FEATURES,
+    HeadClassifier,
+    attach_clean,
+    head_features,
+    label_matches_model,
+    label_rows,
+    leave_one_model_out,
+    load_classifier,
+    published_labels,
+    save_classifier,
+    score_heads,
+    train_classifier,
 )
-from discovery.errors import GascanError  # noqa: E402
-from pipelines.cli import main  # noqa: E402
+from discovery.errors import GascanError
+from pipelines.cli import main
 
 LAYOUTS = [((1, 2), (2, 1)), ((0, 1), (3, 3)), ((2, 0), (4, 2)), ((1, 3), (2, 0)), ((3, 1), (5, 1))]
 

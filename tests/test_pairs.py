@@ -12,7 +12,7 @@ from discovery.planted_ga import planted_model, planted_prompts, write_prompts
 from discovery.tasks.base import annotate
 
 # a layout that is not among the classifier's training variants (discovery.classifier_data.PLANTED_VARIANTS)
-LAYOUT = dict(n_layers=4, n_heads=4, gather=(0, 3), aggregate=(3, 0), seed=11)
+LAYOUT = {"n_layers": 4, "n_heads": 4, "gather": (0, 3), "aggregate": (3, 0), "seed": 11}
 
 
 @pytest.fixture(scope="module")

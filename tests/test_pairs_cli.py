@@ -18,6 +18,13 @@ def test_scan_then_report_with_pairs_names_the_planted_pair(tmp_path, capsys):
     out = tmp_path / "scan"
     assert main(["scan", str(model), "--task", f"jsonl:{model / 'prompts.jsonl'}", "--prompts", "16",
                  "--out", str(out), "--no-report"]) == 0
+    # the evidence stage (roles, position-resolved effects, minimal model) before the pairs and the report
+    from discovery.evidence import scan_evidence, write_evidence
+    from discovery.loading import load_model
+    from discovery.report import read_scan
+
+    scan = read_scan(out)
+    write_evidence(out, *scan_evidence(load_model(str(model)), scan.heads, scan.summary, bootstrap=200))
     assert main(["report", str(out), "--pairs"]) == 0
     printed = capsys.readouterr().out
     assert "top: L1H0 → L2H3 (verified: True)" in printed
@@ -29,6 +36,14 @@ def test_scan_then_report_with_pairs_names_the_planted_pair(tmp_path, capsys):
     assert pairs.sort("rank").row(0, named=True)["aggregate_layer"] == 2
     html = (out / "report.html").read_text()
     assert "G&amp;A pair found: gather L1H0 → aggregate L2H3" in html
+    # the evidence verdict leads; roles, decoys and the minimal model are in the report
+    assert 'Verdict.</b> jsonl:' in html and "clean G&amp;A pair(s) found" in html
+    assert "Roles by the evidence standards" in html and (out / "figures" / "minimal_model.png").is_file()
+    decoys = {(d.layer, d.index) for d in circuit.decoys.values()}
+    candidates = set(zip(pairs["gather_layer"], pairs["gather_head"])) | set(zip(pairs["aggregate_layer"],
+                                                                                   pairs["aggregate_head"]))
+    assert not decoys & candidates  # decoys by the evidence standards are never pair candidates
+    assert pairs.sort("rank").row(0, named=True)["gather_role"] == "gather"
     assert (out / "figures" / "example_patterns.png").is_file()  # the model was loaded for --pairs
     # placement advice follows the verified pair
     assert main(["place", str(out), "--unit", "head", "--budget", "2", "--json"]) == 0

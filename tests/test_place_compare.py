@@ -9,12 +9,12 @@ import polars as pl
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from synthetic import synthetic_heads, synthetic_summary, write_synthetic_scan  # noqa: E402
+from synthetic import synthetic_heads, synthetic_summary, write_synthetic_scan
 
-from discovery.compare import compare_scans, training_step, write_comparison  # noqa: E402
-from discovery.errors import GascanError  # noqa: E402
-from discovery.placement import default_budget, place  # noqa: E402
-from pipelines.cli import main  # noqa: E402
+from discovery.compare import compare_scans, training_step, write_comparison
+from discovery.errors import GascanError
+from discovery.placement import default_budget, place
+from pipelines.cli import main
 
 
 def _pairs(verified: bool) -> pl.DataFrame:

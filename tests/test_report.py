@@ -12,10 +12,10 @@ import polars as pl
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from synthetic import synthetic_heads, synthetic_summary, write_synthetic_scan  # noqa: E402
+from synthetic import synthetic_heads, synthetic_summary, write_synthetic_scan
 
-from discovery.report import load_example, read_scan, save_example, write_report  # noqa: E402
-from pipelines.cli import main  # noqa: E402
+from discovery.report import load_example, read_scan, save_example, write_report
+from pipelines.cli import main
 
 EVIL = "<script>alert(1)</script>"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

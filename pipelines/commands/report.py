@@ -33,11 +33,11 @@ def run(args: argparse.Namespace) -> int:
         from discovery.pairs import scan_pairs, write_pairs
 
         scan = read_scan(args.dir)
-        table, fields = scan_pairs(lm, scan.heads, scan.summary)
+        table, fields = scan_pairs(lm, scan.heads, scan.summary, evidence=scan.evidence)
         write_pairs(args.dir, table, fields)
         from discovery.report import head_name
 
-        name = lambda h: head_name(h["layer"], h["head"], h["kind"])  # noqa: E731
+        name = lambda h: head_name(h["layer"], h["head"], h["kind"])
         print(f"ranked {table.height} candidate pairs; top: "
               + ", ".join(f"{name(p['gather'])} → {name(p['aggregate'])} (verified: {p.get('verified')})"
                           for p in fields["top_pairs"][:3]))
