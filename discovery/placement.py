@@ -9,7 +9,9 @@ teacher's retrieval performance. So a head's placement score combines:
   pattern × effect evidence ``gather_x_effect`` / ``agg_x_effect``);
 - its causal importance: the larger of its all-position and query-position drop in logit difference,
   relative to the clean value, clipped to [0, 1];
-- membership of a ranked G&A pair: +0.25 for a top pair, +0.5 when joint ablation verified the pair.
+- membership of a ranked G&A pair: +0.25 for a top pair, +0.5 when joint ablation verified the pair;
+- the evidence stage's role when the scan has one (``evidence.parquet``): a causally confirmed gather or
+  aggregate head counts as role evidence ≥ 0.9, a decoy's role evidence is cut to a tenth.
 
 ``score = 0.5 * role + 0.5 * importance + pair bonus``; a layer scores as its best head. The action is
 "keep attention" where the head is an attention head (distilling a Transformer or a hybrid) and "insert
@@ -102,14 +104,22 @@ def head_scores(heads: pl.DataFrame, summary: Mapping[str, Any] | None = None,
     drop_query = feats["drop_query"].fill_null(np.nan).to_numpy()
     importance = np.clip(np.nan_to_num(np.fmax(drop_all, drop_query), nan=0.0), 0.0, 1.0)
     members = _pair_members(pairs)
+    evidence_roles = heads["role"].to_list() if "role" in heads.columns else [None] * heads.height
     rows = []
     for i, r in enumerate(heads.select("task", "layer", "head", "kind").iter_rows(named=True)):
         key = (r["layer"], r["head"], r["kind"])
         bonus, pair_text = members.get(key, (0.0, ""))
         role_name, role = ("aggregate", pa[i]) if pa[i] >= pg[i] else ("gather", pg[i])
-        score = 0.5 * float(role) + 0.5 * float(importance[i]) + bonus
         label = f"P({role_name})" if has_p else f"{role_name} pattern × effect"
         parts = [f"{role_name}-like ({label} {role:.2f})"]
+        verdict = evidence_roles[i]
+        if verdict in ("gather", "aggregate"):  # the evidence stage confirmed the role causally
+            role_name, role = verdict, max(float(role), 0.9)
+            parts.append(f"{verdict} by the evidence standards")
+        elif verdict == "decoy":
+            role = 0.1 * float(role)
+            parts.append("decoy by the evidence standards (pattern without effect)")
+        score = 0.5 * float(role) + 0.5 * float(importance[i]) + bonus
         if np.isfinite(drop_all[i]) or np.isfinite(drop_query[i]):
             where, value = (("at the query position", drop_query[i]) if np.nan_to_num(drop_query[i], nan=-9) >=
                             np.nan_to_num(drop_all[i], nan=-9) else ("at all positions", drop_all[i]))

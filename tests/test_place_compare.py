@@ -114,3 +114,16 @@ def test_compare_escapes_model_names(tmp_path):
     write_comparison(compare_scans([d]), tmp_path / "out")
     html = (tmp_path / "out" / "compare.html").read_text()
     assert "<img src=x" not in html and "&lt;img src=x onerror=alert(1)&gt;" in html
+
+
+def test_evidence_roles_steer_placement():
+    heads = synthetic_heads("m", gather=(2, 1), aggregate=(3, 2), decoy=(1, 3))
+    roles = {(2, 1): "gather", (3, 2): "aggregate", (1, 3): "decoy"}
+    heads = heads.with_columns(pl.Series("role", [roles.get((r["layer"], r["head"]), "none")
+                                                  for r in heads.iter_rows(named=True)]))
+    chosen = place(heads, synthetic_summary("m"), None, budget=2, unit="head")
+    assert [(c.layer, c.head) for c in chosen] == [(3, 2), (2, 1)]
+    assert "aggregate by the evidence standards" in chosen[0].why
+    everything = place(heads, synthetic_summary("m"), None, budget=24, unit="head")
+    decoy = next(c for c in everything if (c.layer, c.head) == (1, 3))
+    assert "decoy by the evidence standards" in decoy.why and decoy.score < 0.1
