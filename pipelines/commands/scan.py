@@ -88,7 +88,13 @@ def run(args: argparse.Namespace) -> int:
         heads, summary = scan_model(lm, options, progress=progress)
     out = write_scan(args.out, heads, summary)
     if args.ablation != "none" and heads.height:
+        from discovery.evidence import scan_evidence, write_evidence
         from discovery.pairs import scan_pairs, write_pairs
+
+        with console.status("evidence: position-resolved effects, minimal model, group ablations, verdicts"):
+            tables, evidence_fields = scan_evidence(lm, heads, summary)
+        write_evidence(out, tables, evidence_fields)
+        summary.update(evidence_fields)
 
         with console.status("ranking gather→aggregate pairs (interaction test, joint ablation vs control)"):
             pairs, fields = scan_pairs(lm, heads, summary)
