@@ -54,8 +54,6 @@ class ScanOptions:
 
     def options_for(self, task: str) -> dict[str, Any]:
         opts = {"seed": self.seed, "n": self.prompts}
-        if task.split(":", 1)[0] == "mc":
-            opts["split"] = "test"
         opts.update(self.task_options.get(task, {}))
         return opts
 

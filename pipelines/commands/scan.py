@@ -45,6 +45,8 @@ def model_task_defaults(lm) -> dict[str, dict[str, Any]]:
             info = json.loads(meta.read_text())
             task = info.get("task")
             opts = {k: v for k, v in (info.get("task_options") or {}).items() if k not in ("split", "n", "seed")}
+            if task == "mc":  # held-out prompts over the words the model was trained on (it cannot know others)
+                opts["split"] = "train"
             if task:
                 return {task: opts}
     return {}

@@ -19,6 +19,16 @@ def _int_list(text: str, flag: str) -> list[int]:
                           f"e.g. {flag} 1,3") from None
 
 
+def _pairs(pairs: list[str], flag: str) -> dict[str, str]:
+    options: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise GascanError(f"bad {flag} {pair!r}: expected KEY=VALUE", f"e.g. {flag} option_words=2")
+        options[key.strip()] = value.strip()
+    return options
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("toy", help="train toy models in which G&A emerges",
                                    description="Train toy models in which G&A emerges.")
@@ -35,6 +45,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     t.add_argument("--attn-layers", default=None, help="hybrid: attention layer indices (comma list)")
     t.add_argument("--task-option", action="append", default=[], metavar="K=V",
                    help="task generator option (repeatable), e.g. option_words=2")
+    t.add_argument("--warmup-option", action="append", default=[], metavar="K=V",
+                   help="curriculum: task option for the first --warmup-steps steps, e.g. n_choices=2")
+    t.add_argument("--warmup-steps", type=int, default=0, help="steps drawn with --warmup-option")
     t.add_argument("--layers", type=int, default=4)
     t.add_argument("--heads", type=int, default=4, help="attention heads per attention layer")
     t.add_argument("--width", type=int, default=128)
@@ -54,6 +67,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     t.add_argument("--overwrite", action="store_true", help="replace a previous toy run in --out")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.set_defaults(func=run_train)
+    tr = sub.add_parser("truth", help="exhaustive ablation ground truth of a (small) model -> truth.json beside it",
+                        description="Zero-ablate every head alone (all / query / segment positions), compute the "
+                        "pattern metrics and the pair interaction test on the model's own task (from its "
+                        "training.json), and write DIR/truth.json: the heads whose ablation breaks the task, "
+                        "labelled gather or aggregate, and the confirmed gather->aggregate pairs.")
+    tr.add_argument("model", nargs="?", default=None, help="model directory (default: the bundled toy model)")
+    tr.add_argument("--prompts", type=int, default=128, help="test prompts (default 128)")
+    tr.add_argument("--seed", type=int, default=1, help="seed of the test prompts")
+    tr.add_argument("--out", default=None, help="where to write (default: MODEL/truth.json)")
+    tr.set_defaults(func=run_truth)
     parser.set_defaults(func=lambda args: (parser.print_help(), 2)[1])
 
 
@@ -61,19 +84,15 @@ def config_from_args(args: argparse.Namespace):
     """A validated TrainConfig from parsed arguments (one-line GascanError on bad input)."""
     from discovery.toy.config import TrainConfig
 
-    options: dict[str, str] = {}
-    for pair in args.task_option:
-        key, sep, value = pair.partition("=")
-        if not sep or not key.strip():
-            raise GascanError(f"bad --task-option {pair!r}: expected KEY=VALUE", "e.g. --task-option option_words=2")
-        options[key.strip()] = value.strip()
     cfg = TrainConfig(
         arch=args.arch, task=args.task, seed=args.seed, steps=args.steps, batch_size=args.batch_size,
         lr=args.lr, weight_decay=args.weight_decay, init_std=args.init_std, layers=args.layers,
         heads=args.heads, width=args.width, mlp_ratio=args.mlp_ratio, ssm_heads=args.ssm_heads,
         ssm_state=args.ssm_state,
         attn_layers=None if args.attn_layers is None else _int_list(args.attn_layers, "--attn-layers"),
-        task_options=options, vocab_size=args.vocab_size, train_size=args.train_size,
+        task_options=_pairs(args.task_option, "--task-option"),
+        warmup_options=_pairs(args.warmup_option, "--warmup-option"), warmup_steps=args.warmup_steps,
+        vocab_size=args.vocab_size, train_size=args.train_size,
         test_size=args.test_size, eval_every=args.eval_every, save_every=args.save_every,
         save_at=_int_list(args.save_at, "--save-at"), time_budget=args.time_budget, threads=args.threads,
     )
@@ -86,8 +105,41 @@ def run_train(args: argparse.Namespace) -> int:
     from discovery.toy.trainer import prepare_out_dir, train
 
     check_task_options(cfg.task, cfg.task_options)
+    check_task_options(cfg.task, {**cfg.task_options, **cfg.warmup_options})
     prepare_out_dir(args.out, args.overwrite)  # fail on an unwritable --out before building data
     result = train(cfg, args.out, progress=not args.quiet, overwrite=True)
     print(f"saved {result.out_dir}: test accuracy {result.test_accuracy:.3f} after {result.steps} steps "
           f"({result.train_seconds:.0f} s training, {len(result.checkpoints)} checkpoints)")
+    return 0
+
+
+def run_truth(args: argparse.Namespace) -> int:
+    """``gascan toy truth``: ground truth by exhaustive single-head ablation (see discovery.truth)."""
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from discovery.io import write_json
+    from discovery.loading import load_model
+    from discovery.tasks import build_task
+    from discovery.tasks.base import annotate
+    from discovery.truth import ground_truth
+    from pipelines.commands.scan import model_task_defaults
+
+    console = Console(stderr=True, emoji=False)
+    lm = load_model(args.model)
+    defaults = model_task_defaults(lm) or {"mc": {}}
+    task, options = next(iter(defaults.items()))
+    prompts = build_task(task, {**options, "n": args.prompts, "seed": args.seed}).prompts()
+    batch = annotate(prompts, lm.tokenizer, padding_side="left")
+    with console.status(f"ablating every head of {lm.name} on {task} ({len(batch)} prompts)"):
+        truth = ground_truth(lm, batch)
+    truth.update({"model": lm.name, "task": task, "task_options": options, "checkpoint": lm.checkpoint_hash()})
+    target = Path(args.out) if args.out else Path(lm.files[0]).parent / "truth.json"
+    write_json(target, truth)
+    clean = truth["clean"]
+    console.print(f"clean accuracy {clean['acc']:.3f}, logit diff {clean['logit_diff']:.3f}; "
+                  f"gather {truth['gather']}, aggregate {truth['aggregate']}; "
+                  f"confirmed pairs {[p for p in truth['pairs'] if p['confirmed']]}; margin {truth['margin']}")
+    console.print(f"wrote {target}")
     return 0
