@@ -152,6 +152,9 @@ class AblationEngine:
 
     def __init__(self, lm: LoadedModel, batch: AnnotatedBatch, *, max_rows: int | None = None,
                  max_memory_mb: float | None = None, readout_layer: int | None = None) -> None:
+        from .loading import as_loaded
+
+        lm = as_loaded(lm)  # a LoadedModel, an nnsight LanguageModel or a transformers model
         if batch.padding_side != "left":
             raise ValueError("the ablation engine needs a left-padded batch (annotate(..., padding_side='left'))")
         n_layers = lm.inventory.n_layers

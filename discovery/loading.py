@@ -247,3 +247,24 @@ def load_model(
     if kind == "gguf":  # the tokenizer lives in the same file: read it once the weights proved sound
         tokenizer = load_tokenizer(spec)
     return LoadedModel(model, tokenizer, adapter_for(model, mamba1_group_width), str(spec or directory), files)
+
+
+def as_loaded(model: Any, tokenizer: Any = None, *, name: str | None = None,
+              mamba1_group_width: int | None = None) -> LoadedModel:
+    """Accept what a Python user has in hand: a :class:`LoadedModel`, an nnsight ``LanguageModel``
+    (its wrapped transformers module and tokenizer are used), or a transformers model plus its
+    tokenizer. Every caller then goes through the same engine, so effects are identical whichever way
+    the model was handed in."""
+    if isinstance(model, LoadedModel):
+        return model
+    inner = getattr(model, "_module", None)  # nnsight Envoy / LanguageModel
+    if inner is not None and isinstance(inner, torch.nn.Module) and not isinstance(model, torch.nn.Module):
+        tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
+        model = inner
+    if not isinstance(model, torch.nn.Module):
+        raise ModelLoadError(f"cannot use a {type(model).__name__} as a model",
+                             "pass a gascan LoadedModel, an nnsight LanguageModel or a transformers model")
+    if tokenizer is None:
+        raise ModelLoadError("a transformers model was given without its tokenizer", "pass tokenizer=...")
+    spec = name or str(getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__)
+    return LoadedModel(model.eval(), tokenizer, adapter_for(model, mamba1_group_width), spec)
