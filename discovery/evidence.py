@@ -661,6 +661,10 @@ def lives_at(row: Mapping[str, Any], scope: str, th: EvidenceThresholds, clean_l
     return False
 
 
+_PLACES = {"query": "at the query", "summary tokens": "at the summary tokens", "segments": "at the segments",
+           "elsewhere": "spread or at other positions", "none": "no effect alone"}
+
+
 def _where(row: Mapping[str, Any], th: EvidenceThresholds, ref: float, prefix: str = "") -> str:
     """Where a head's all-position drop lives: query, summary tokens, segments, elsewhere, or none (a drop
     under ``noise`` of ``ref``, the clean logit difference)."""
@@ -883,7 +887,8 @@ def _model_verdict(info: Mapping[str, Mapping[str, Any]], sig_groups: list[dict[
                          + (f"; gather {', '.join(gathers)}" if gathers else ""))
     else:
         out["verdict"] = "none"
-        what = ", ".join(f"{c['head']} ({c['rel_drop']:.0%} of clean, at {c['where']})" for c in carriers
+        what = ", ".join(f"{c['head']} ({c['rel_drop']:.0%} of clean, {_PLACES.get(c['where'], c['where'])})"
+                         for c in carriers
                          if c["rel_drop"] is not None and c["rel_drop"] >= th.effect) or "no single head"
         out["reason"] = f"no G&A: the task is carried by {what}"
     if decoys:

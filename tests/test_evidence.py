@@ -298,7 +298,7 @@ def test_verdict_rules_on_a_hand_made_table():
     assert verdict["verdict"] == "none" and verdict["decoys"] == ["L0H0"]
     assert verdict["carriers"][0] == {"head": "L0H1", "effect": -3.0, "rel_drop": 0.75, "where": "segments",
                                       "role": "other_important"}
-    assert "L0H1 (75% of clean, at segments)" in verdict["reason"]
+    assert "L0H1 (75% of clean, at the segments)" in verdict["reason"]
     _, at_chance = verdicts(frame, None, clean={"logit_diff": -0.1, "acc": 0.25, "chance": 0.25})
     assert at_chance["verdict"] == "none" and "does not do the task" in at_chance["reason"]
 
