@@ -30,7 +30,7 @@ def _batch_for(lm, n: int):
     if lm.spec.startswith("tiny:"):
         prompts = build_task("mc", {"n": n, "seed": 0}).prompts()
     else:
-        prompts = build_task("kv", {"n": n, "seed": 0, "style": "named", "scoring": "next_token"}).prompts()
+        prompts = build_task("kv", {"n": n, "seed": 0, "style": "named", "query_space": True, "scoring": "next_token"}).prompts()
     return annotate(prompts, lm.tokenizer, padding_side="left")
 
 
