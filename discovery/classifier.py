@@ -94,7 +94,7 @@ def head_features(frame: pl.DataFrame) -> pl.DataFrame:
     scale = pl.max_horizontal(pl.col("clean_ld").cast(pl.Float64).abs().fill_null(biggest),
                               pl.lit(CLEAN_FLOOR))
     f = f.with_columns(scale.alias("_scale"))
-    drop = lambda c: (-_col(f, c) / pl.col("_scale"))  # noqa: E731  positive = removing the head hurts
+    drop = lambda c: (-_col(f, c) / pl.col("_scale"))  # positive = removing the head hurts
     f = f.with_columns(
         drop("d_ld_all").alias("drop_all"), drop("d_ld_query").alias("drop_query"),
         drop("d_ld_segment").alias("drop_segment"), drop("d_ld_summary").alias("drop_summary"),
@@ -109,7 +109,7 @@ def head_features(frame: pl.DataFrame) -> pl.DataFrame:
         (pl.col("drop_all") - pl.col("drop_query")).alias("drop_nonquery"),
         _share(f, "drop_all", keys).alias("share_all"), _share(f, "drop_query", keys).alias("share_query"),
     )
-    positive = lambda c: pl.col(c).clip(0.0, 1.0)  # noqa: E731
+    positive = lambda c: pl.col(c).clip(0.0, 1.0)
     gather_effect = pl.max_horizontal(positive("drop_all"), positive("drop_segment"), positive("drop_summary"))
     f = f.with_columns(
         (_col(f, "gather_score") * gather_effect).alias("gather_x_effect"),
