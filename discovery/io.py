@@ -21,6 +21,9 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path
     tmp_path = Path(tmp)
     try:
         write(tmp_path)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp_path, 0o666 & ~umask)  # mkstemp makes 0600; the output is for everyone who reads reports
         os.replace(tmp_path, target)
     except BaseException:
         tmp_path.unlink(missing_ok=True)

@@ -67,6 +67,15 @@ def task_batch(lm: LoadedModel, task_spec: str, options: dict[str, Any]) -> Anno
     prompts = task.prompts()
     max_len = getattr(lm.model.config, "max_position_embeddings", None)
     batch = annotate(prompts, lm.tokenizer, padding_side="left", max_length=max_len)
+    first = batch.cand_first_token  # [batch, cand]
+    mask = batch.cand_mask if batch.cand_mask is not None else torch.ones_like(first, dtype=torch.bool)
+    for row in range(first.shape[0]):
+        tokens = first[row][mask[row]].tolist()
+        if len(set(tokens)) != len(tokens):
+            raise GascanError(
+                f"the candidates of {task_spec} prompt {row} start with the same token in this tokenizer, so "
+                "ablation effects (scored on the candidates' first tokens) would be meaningless",
+                "use candidates that start differently (e.g. --task-option query_space=true for kv style=named)")
     return batch
 
 
