@@ -44,6 +44,7 @@ from .ablation import Ablation, AblationEngine, query_scores, single_head_ablati
 from .errors import GascanError
 from .heads import HeadId
 from .loading import LoadedModel
+from .metrics import linearised_norm_scale
 from .stats import bootstrap_ci
 from .tasks.base import AnnotatedBatch
 
@@ -483,20 +484,6 @@ def group_ablations(engine: AblationEngine, frame: pl.DataFrame, thresholds: Evi
 # ---------------------------------------------------------------------------------------------
 
 
-def _norm_scale(norm: torch.nn.Module, resid: torch.Tensor) -> torch.Tensor:
-    """The final norm linearised at the clean residual ``[batch, d_model]``: per-dimension multiplier."""
-    weight = getattr(norm, "weight", None)
-    eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
-    if isinstance(norm, torch.nn.LayerNorm):
-        denom = torch.sqrt(resid.var(-1, unbiased=False, keepdim=True) + eps)
-    else:
-        denom = torch.sqrt(resid.pow(2).mean(-1, keepdim=True) + eps)
-    w = torch.ones_like(resid[0]) if weight is None else weight.float()
-    if type(norm).__name__.startswith("Gemma"):  # Gemma norms scale by (1 + weight)
-        w = 1.0 + w
-    return w[None, :] / denom
-
-
 def _reader_values(engine: AblationEngine, readers: Sequence[HeadId], ablation: Ablation | None
                    ) -> dict[HeadId, dict[str, float | None]]:
     """Selectivity, agg_select (attention readers) and direct logit effect at the query of each reader,
@@ -560,7 +547,7 @@ def _reader_readout(engine: AblationEngine, by_group: Mapping[tuple[int, str], l
     last = engine.n_active_layers - 1
     resid = engine.hidden[last][rows, batch.query_pos].float()  # clean final residual [batch, d_model]
     norm = lm.adapter.final_norm()
-    scale = _norm_scale(norm, resid)  # [batch, d_model]
+    scale = linearised_norm_scale(norm, resid)  # [batch, d_model]
     unembed = lm.adapter.unembed().weight.float()  # [vocab, d_model]
     out: dict[HeadId, dict[str, float | None]] = {}
     for (layer, kind), heads in by_group.items():

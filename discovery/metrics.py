@@ -477,3 +477,17 @@ def dla(
     other_mean = (u * others[..., None].to(x.dtype)).sum(1) / n_others  # [batch, d]
     direction = u[rows, g] - other_mean  # [batch, d]
     return torch.einsum("bhd,bd->bh", x, direction)
+
+
+def linearised_norm_scale(norm: torch.nn.Module, resid: torch.Tensor) -> torch.Tensor:
+    """The final norm linearised at the clean residual: per-dimension multiplier ``[batch, d_model]``."""
+    weight = getattr(norm, "weight", None)
+    eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+    if isinstance(norm, torch.nn.LayerNorm):
+        denom = torch.sqrt(resid.var(-1, unbiased=False, keepdim=True) + eps)
+    else:
+        denom = torch.sqrt(resid.pow(2).mean(-1, keepdim=True) + eps)
+    w = torch.ones_like(resid[0]) if weight is None else weight.float()
+    if type(norm).__name__.startswith("Gemma"):  # Gemma norms scale by (1 + weight)
+        w = 1.0 + w
+    return w[None, :] / denom

@@ -136,7 +136,7 @@ def _dla(lm: LoadedModel, batch: AnnotatedBatch, groups: list[HeadGroup]) -> dic
     finally:
         handle.remove()
     resid = norm_in[-1][rows, part.query_pos].float()  # [batch, d_model]
-    scale = _norm_scale(norm, resid)  # [batch, d_model]
+    scale = metrics.linearised_norm_scale(norm, resid)  # [batch, d_model]
     unembed = lm.adapter.unembed().weight.float()  # [vocab, d_model]
     out = {}
     for g in groups:
@@ -147,20 +147,6 @@ def _dla(lm: LoadedModel, batch: AnnotatedBatch, groups: list[HeadGroup]) -> dic
                              center=isinstance(norm, torch.nn.LayerNorm), cand_mask=part.cand_mask)
         out[key] = torch.nanmean(values.cpu(), dim=0)
     return out
-
-
-def _norm_scale(norm: torch.nn.Module, resid: torch.Tensor) -> torch.Tensor:
-    """The final norm linearised at the clean residual: per-dimension multiplier ``[batch, d_model]``."""
-    weight = getattr(norm, "weight", None)
-    eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
-    if isinstance(norm, torch.nn.LayerNorm):
-        denom = torch.sqrt(resid.var(-1, unbiased=False, keepdim=True) + eps)
-    else:
-        denom = torch.sqrt(resid.pow(2).mean(-1, keepdim=True) + eps)
-    w = torch.ones_like(resid[0]) if weight is None else weight.float()
-    if type(norm).__name__.startswith("Gemma"):  # Gemma norms scale by (1 + weight)
-        w = 1.0 + w
-    return w[None, :] / denom
 
 
 def scan_task(lm: LoadedModel, task_spec: str, options: ScanOptions, *, layers: Sequence[int] | None = None,
@@ -191,10 +177,10 @@ def scan_task(lm: LoadedModel, task_spec: str, options: ScanOptions, *, layers: 
         ablations = single_head_ablations(heads, "zero", scope)
         done = [0]
 
-        def tick(n: int, scope_name=scope_name) -> None:
+        def tick(n: int, scope_name: str = scope_name, done: list[int] = done, total: int = len(ablations)) -> None:
             done[0] += n
             if progress:
-                progress(f"ablation ({scope_name})", done[0], len(ablations))
+                progress(f"ablation ({scope_name})", done[0], total)
 
         effects = engine.effects(ablations, engine.run(ablations, progress=tick))
         for metric, short in EFFECT_METRICS.items():
