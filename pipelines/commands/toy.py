@@ -45,9 +45,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     t.add_argument("--attn-layers", default=None, help="hybrid: attention layer indices (comma list)")
     t.add_argument("--task-option", action="append", default=[], metavar="K=V",
                    help="task generator option (repeatable), e.g. option_words=2")
-    t.add_argument("--warmup-option", action="append", default=[], metavar="K=V",
-                   help="curriculum: task option for the first --warmup-steps steps, e.g. n_choices=2")
-    t.add_argument("--warmup-steps", type=int, default=0, help="steps drawn with --warmup-option")
     t.add_argument("--layers", type=int, default=4)
     t.add_argument("--heads", type=int, default=4, help="attention heads per attention layer")
     t.add_argument("--width", type=int, default=128)
@@ -91,7 +88,6 @@ def config_from_args(args: argparse.Namespace):
         ssm_state=args.ssm_state,
         attn_layers=None if args.attn_layers is None else _int_list(args.attn_layers, "--attn-layers"),
         task_options=_pairs(args.task_option, "--task-option"),
-        warmup_options=_pairs(args.warmup_option, "--warmup-option"), warmup_steps=args.warmup_steps,
         vocab_size=args.vocab_size, train_size=args.train_size,
         test_size=args.test_size, eval_every=args.eval_every, save_every=args.save_every,
         save_at=_int_list(args.save_at, "--save-at"), time_budget=args.time_budget, threads=args.threads,
@@ -105,7 +101,6 @@ def run_train(args: argparse.Namespace) -> int:
     from discovery.toy.trainer import prepare_out_dir, train
 
     check_task_options(cfg.task, cfg.task_options)
-    check_task_options(cfg.task, {**cfg.task_options, **cfg.warmup_options})
     prepare_out_dir(args.out, args.overwrite)  # fail on an unwritable --out before building data
     result = train(cfg, args.out, progress=not args.quiet, overwrite=True)
     print(f"saved {result.out_dir}: test accuracy {result.test_accuracy:.3f} after {result.steps} steps "
