@@ -82,7 +82,7 @@ class EvidenceThresholds:
     control_quantile: float = 0.95  # ... beyond this quantile of its controls' drops, interval excluding 0
     n_controls: int = 30  # random control draws per group (all distinct draws when fewer exist)
     top_k: int = 5  # size of the top-k-by-effect group
-    max_gather_groups: int | None = None  # test only the layers whose gatherers' summed segment drop is largest
+    max_gather_groups: int | None = 8  # cost cap: test the layers whose gatherers' summed segment drop is largest
     read: float = 0.3  # a later head reads a gatherer: its direct logit effect falls by this share ...
     read_select: float = 0.1  # ... or its selectivity / agg_select falls by this much (absolute)
     keep: float = 0.9  # the minimal model keeps this share of the clean score (above chance for accuracy)

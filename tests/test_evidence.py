@@ -321,3 +321,22 @@ def test_bad_input_is_one_line_errors():
     with pytest.raises(GascanError, match="share their first token"):
         evidence_report(lm, batch, pattern_table(lm, batch))
 
+
+
+def test_role_groups_from_patterns_and_the_gather_cap():
+    import polars as pl
+
+    from discovery.evidence import EvidenceThresholds, role_groups
+
+    frame = pl.DataFrame([
+        _row(0, 0, gather=0.9, effects={"segment": -0.1}), _row(0, 1, gather=0.8, effects={"segment": -0.1}),
+        _row(1, 0, gather=0.9, effects={"segment": -2.0, "all": -2.0}), _row(1, 1, sel=0.7),
+        _row(2, 0, gather=0.9, effects={"segment": -0.5}), _row(2, 1, sel=0.9, effects={"query": -1.0, "all": -1.0}),
+    ])
+    groups = {g.name: g for g in role_groups(frame, EvidenceThresholds(max_gather_groups=2, top_k=2), clean_ld=4.0)}
+    assert set(groups) == {"selective", "selective@query", "gatherers L1", "gatherers L2", "top2"}  # L0: smallest drop
+    assert [str(h) for h in groups["selective"].heads] == ["L1H1", "L2H1"] and groups["selective"].scope == ("all",)
+    assert groups["selective@query"].scope == ("query",) and groups["gatherers L1"].scope == ("segment",)
+    assert [str(h) for h in groups["top2"].heads] == ["L1H0", "L2H1"]
+    uncapped = {g.name for g in role_groups(frame, EvidenceThresholds(max_gather_groups=None), clean_ld=4.0)}
+    assert "gatherers L0" in uncapped
