@@ -96,6 +96,23 @@ def evaluate(model, data: Encoded, batch_size: int = 256) -> float:
     return correct / len(data)
 
 
+def subject_order(cfg: TrainConfig, prompts: list[Any]) -> list[str]:
+    """The curriculum's order of question subjects: a shuffle fixed by the seed."""
+    names = sorted({str(p.meta.get("subject")) for p in prompts})
+    perm = torch.randperm(len(names), generator=torch.Generator().manual_seed(cfg.seed))
+    return [names[i] for i in perm.tolist()]
+
+
+def curriculum_ranks(cfg: TrainConfig, prompts: list[Any]) -> torch.Tensor:
+    """[n] each prompt's subject rank in the curriculum order (all 0 without a curriculum)."""
+    if not cfg.curriculum_steps:
+        return torch.zeros(len(prompts), dtype=torch.long)
+    if any(p.meta.get("subject") is None for p in prompts):
+        raise GascanError("--curriculum-steps needs prompts that name their subject", "drop --curriculum-steps")
+    rank = {name: i for i, name in enumerate(subject_order(cfg, prompts))}
+    return torch.tensor([rank[str(p.meta["subject"])] for p in prompts], dtype=torch.long)
+
+
 def heldout_prompts(cfg: TrainConfig, train_texts: set[str]) -> list[Any]:
     """``cfg.test_size`` fresh prompts over the training words, none identical to a training prompt.
 
@@ -191,6 +208,8 @@ def command_line(cfg: TrainConfig, out: Path | str) -> str:
         parts += ["--attn-layers", ",".join(map(str, cfg.attn_layers))]
     if cfg.save_at:
         parts += ["--save-at", ",".join(map(str, sorted(cfg.save_at)))]
+    if cfg.curriculum_steps:
+        parts += ["--curriculum-steps", str(cfg.curriculum_steps)]
     for key, value in cfg.task_options.items():
         parts += ["--task-option", f"{key}={json.dumps(value) if not isinstance(value, str) else value}"]
     return " ".join(parts)
@@ -247,6 +266,8 @@ def train(cfg: TrainConfig, out_dir: Path | str, *, progress: bool = True, overw
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         order_gen = torch.Generator().manual_seed(cfg.seed)
         gold_tokens = train_data.gold_tokens()  # [n_train]
+        subject_rank = curriculum_ranks(cfg, train_prompts)  # [n_train]; the curriculum admits rank < k
+        n_subjects = int(subject_rank.max()) + 1
         save_steps = cfg.checkpoint_steps()
 
         meta_base: dict[str, Any] = {
@@ -258,6 +279,8 @@ def train(cfg: TrainConfig, out_dir: Path | str, *, progress: bool = True, overw
             "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                          "tokenizers": tokenizers.__version__, "python": platform.python_version()},
             "train_prompts": len(train_data), "test_prompts": len(test_data),
+            "curriculum": {"steps_per_doubling": cfg.curriculum_steps,
+                           "subject_order": subject_order(cfg, train_prompts) if cfg.curriculum_steps else None},
             "test_split": TEST_SPLIT_NOTE, "unseen_words_split": UNSEEN_NOTE if unseen_data else None,
             "example_prompt": test_prompts[0].text,
         }
@@ -267,8 +290,11 @@ def train(cfg: TrainConfig, out_dir: Path | str, *, progress: bool = True, overw
         acc = evaluate(model, test_data)
         unseen = evaluate(model, unseen_data) if unseen_data else None
         history.append({"step": 0, "loss": None, "test_accuracy": acc, "unseen_words_accuracy": unseen,
+                        "subjects": cfg.subjects_at(0, n_subjects) if cfg.curriculum_steps else None,
                         "seconds": 0.0})
-        order = torch.randperm(len(train_data), generator=order_gen)
+        admitted = cfg.subjects_at(0, n_subjects)
+        pool = torch.nonzero(subject_rank < admitted)[:, 0]  # [n_pool] training rows in play
+        order = pool[torch.randperm(len(pool), generator=order_gen)]
         cursor = 0
         step = 0
         stopped_by = "steps"
@@ -277,8 +303,11 @@ def train(cfg: TrainConfig, out_dir: Path | str, *, progress: bool = True, overw
             task_id = bar.add_task(f"{cfg.arch}/{cfg.task} seed {cfg.seed}", total=cfg.steps,
                                    loss="   -  ", acc=f"{acc:.3f}", unseen=_fmt(unseen))
             while step < cfg.steps:
-                if cursor + cfg.batch_size > len(order):
-                    order = torch.randperm(len(train_data), generator=order_gen)
+                want = cfg.subjects_at(step, n_subjects)
+                if want != admitted or cursor + cfg.batch_size > len(order):
+                    admitted = want
+                    pool = torch.nonzero(subject_rank < admitted)[:, 0]
+                    order = pool[torch.randperm(len(pool), generator=order_gen)]
                     cursor = 0
                 index = order[cursor: cursor + cfg.batch_size]  # [batch]
                 cursor += cfg.batch_size
@@ -300,12 +329,14 @@ def train(cfg: TrainConfig, out_dir: Path | str, *, progress: bool = True, overw
                     mean_loss = sum(recent) / len(recent)
                     history.append({"step": step, "loss": mean_loss, "test_accuracy": acc,
                                     "unseen_words_accuracy": unseen,
+                                    "subjects": admitted if cfg.curriculum_steps else None,
                                     "seconds": round(time.perf_counter() - t0, 2)})
                     bar.update(task_id, loss=f"{mean_loss:.3f}", acc=f"{acc:.3f}", unseen=_fmt(unseen))
                     if step in save_steps and not over_budget:
                         dest = out / CHECKPOINT_DIR / f"step-{step:06d}"
                         meta = {**meta_base, "step": step, "test_accuracy": acc,
-                                "unseen_words_accuracy": unseen, "train_loss": mean_loss,
+                                "unseen_words_accuracy": unseen,
+                                "subjects": admitted if cfg.curriculum_steps else None, "train_loss": mean_loss,
                                 "train_seconds": round(time.perf_counter() - t0, 2)}
                         checkpoints.append(save_model_dir(model, tokenizer, meta, dest))
                 bar.update(task_id, completed=step)

@@ -45,6 +45,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     t.add_argument("--attn-layers", default=None, help="hybrid: attention layer indices (comma list)")
     t.add_argument("--task-option", action="append", default=[], metavar="K=V",
                    help="task generator option (repeatable), e.g. option_words=2")
+    t.add_argument("--curriculum-steps", type=int, default=0,
+                   help="mc: start with questions about 1 subject, double the subjects every N steps (0: off)")
     t.add_argument("--layers", type=int, default=4)
     t.add_argument("--heads", type=int, default=4, help="attention heads per attention layer")
     t.add_argument("--width", type=int, default=128)
@@ -88,6 +90,7 @@ def config_from_args(args: argparse.Namespace):
         ssm_state=args.ssm_state,
         attn_layers=None if args.attn_layers is None else _int_list(args.attn_layers, "--attn-layers"),
         task_options=_pairs(args.task_option, "--task-option"),
+        curriculum_steps=args.curriculum_steps,
         vocab_size=args.vocab_size, train_size=args.train_size,
         test_size=args.test_size, eval_every=args.eval_every, save_every=args.save_every,
         save_at=_int_list(args.save_at, "--save-at"), time_budget=args.time_budget, threads=args.threads,
