@@ -116,6 +116,19 @@ def test_subject_curriculum_admits_1_2_4_subjects_then_all(tmp_path):
     assert not all(torch.equal(wa[k], plain[k]) for k in wa)  # the curriculum changed what was trained on
 
 
+def test_kv_task_trains_with_every_value_a_single_token(tmp_path):
+    from transformers import AutoTokenizer
+
+    train(tiny_cfg(task="kv", steps=2, eval_every=2, task_options={}, train_size=300), tmp_path / "kv",
+          progress=False)
+    tok = AutoTokenizer.from_pretrained(tmp_path / "kv", local_files_only=True)
+    values = {c for p in task_prompts("kv", "train", 0, 300, {}) for c in p.candidates}
+    assert len(values) >= 50  # " 0" .. " 99": each too rare in the corpus to be merged on its own
+    assert all(len(tok(v, add_special_tokens=False)["input_ids"]) == 1 for v in values)
+    meta = json.loads((tmp_path / "kv" / "training.json").read_text())
+    assert meta["unseen_words_split"] is None  # kv has no word splits: held-out prompts only
+
+
 def test_time_budget_stops_early(tmp_path):
     result = train(tiny_cfg(steps=500, time_budget=0.05), tmp_path / "t", progress=False)
     meta = json.loads((tmp_path / "t" / "training.json").read_text())

@@ -17,9 +17,25 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, required: Sequence[st
     """Train a byte-level BPE of ``vocab_size`` tokens on ``texts``.
 
     ``required`` strings (answer labels such as ``" A"``, ``":"``, ``"\\n"``) must each encode to
-    exactly one token; a corpus in which they are too rare to be merged raises :class:`GascanError`.
-    Returns a ``PreTrainedTokenizerFast`` with bos/eos/pad set.
+    exactly one token. When the corpus alone does not merge them (answers such as ``" 65"`` are each
+    too rare), training is repeated with every required string added to the corpus often enough to
+    be merged; if even that fails, :class:`GascanError`. Returns a ``PreTrainedTokenizerFast`` with
+    bos/eos/pad set.
     """
+    texts = list(texts)
+    fast = _train(texts, vocab_size)
+    if not _all_single(fast, required):
+        boost = max(1000, len(texts) // 10)
+        fast = _train(texts + [r for r in required for _ in range(boost)], vocab_size)
+    check_single_tokens(fast, required)
+    return fast
+
+
+def _all_single(tokenizer, strings: Sequence[str]) -> bool:
+    return all(len(tokenizer(t, add_special_tokens=False)["input_ids"]) == 1 for t in strings)
+
+
+def _train(texts: list[str], vocab_size: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -38,12 +54,10 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, required: Sequence[st
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, bos_id)]
     )
-    fast = PreTrainedTokenizerFast(
+    return PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, model_max_length=1024,
         padding_side="right", clean_up_tokenization_spaces=False,
     )
-    check_single_tokens(fast, required)
-    return fast
 
 
 def check_single_tokens(tokenizer, strings: Sequence[str]) -> list[int]:
