@@ -86,6 +86,14 @@ def test_mc_labels_choices_shots_and_templates():
     p = build_task("mc", {"n": 1, "option_template": "({label}) {choice}\n", "header": "Quiz.\n\n"}).prompts()[0]
     assert p.text.startswith("Quiz.\n\nQuestion:") and [p.text[s:e] for s, e in p.labels] == list("ABCD")
     assert all(p.text[s:e].startswith(f"({'ABCD'[k]}) ") for k, (s, e) in enumerate(p.segments))
+    # the question may follow the options (then no option token can attend to it), labels last in a line
+    p = build_task("mc", {"n": 1, "seed": 3, "template": "{options}\nQuestion: {question}\nAnswer:",
+                          "option_template": "\n{choice}: {label}"}).prompts()[0]
+    lines = p.text.split("\n")
+    assert lines[0] == "" and [ln[-3:] for ln in lines[1:5]] == [": A", ": B", ": C", ": D"]
+    assert lines[5].startswith("Question: Which of these is") and lines[6] == "Answer:"
+    assert [p.text[s:e] for s, e in p.segments] == ["\n" + ln for ln in lines[1:5]]
+    assert all(e == le for (_, e), (_, le) in zip(p.segments, p.labels))  # each segment ends on its label
 
 
 def test_kv_styles():

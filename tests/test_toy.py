@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from discovery.errors import GascanError
 from discovery.toy import TrainConfig, bundled_checkpoints, bundled_model_path
 from discovery.toy.data import encode, task_prompts
 from discovery.toy.trainer import (
@@ -127,6 +128,14 @@ def test_kv_task_trains_with_every_value_a_single_token(tmp_path):
     assert all(len(tok(v, add_special_tokens=False)["input_ids"]) == 1 for v in values)
     meta = json.loads((tmp_path / "kv" / "training.json").read_text())
     assert meta["unseen_words_split"] is None  # kv has no word splits: held-out prompts only
+
+
+def test_lr_decays_linearly_over_the_last_steps_when_asked():
+    cfg = TrainConfig(steps=10, decay_steps=4, lr=1.0)
+    assert [cfg.lr_at(s) for s in range(10)] == [1.0] * 7 + [0.75, 0.5, 0.25]
+    assert {TrainConfig(steps=10, lr=1.0).lr_at(s) for s in range(10)} == {1.0}  # default: constant
+    with pytest.raises(GascanError, match="--decay-steps"):
+        TrainConfig(steps=10, decay_steps=11).validate()
 
 
 def test_time_budget_stops_early(tmp_path):

@@ -62,8 +62,8 @@ def _check_labels(spec: str) -> str | None:
 
 
 def _check_template(t: str) -> str | None:
-    if t.count("{question}") != 1 or t.count("{options}") != 1 or t.index("{question}") > t.index("{options}"):
-        return "the template needs {question} then {options}, once each"
+    if t.count("{question}") != 1 or t.count("{options}") != 1:
+        return "the template needs {question} and {options}, once each (in either order)"
     return None
 
 
@@ -123,24 +123,24 @@ def render_mc(
 def _render_block(
     b: TextBuilder, item: MCItem, labels: list[str], template: str, option_template: str
 ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    pre, rest = template.split("{question}")
-    mid, post = rest.split("{options}")
-    b.add(pre)
-    b.add(item.question)
-    b.add(mid)
     segments, label_spans = [], []
     parts = re.split(r"(\{label\}|\{choice\})", option_template)
-    for k, choice in enumerate(item.choices):
-        start = len(b)
-        for part in parts:
-            if part == "{label}":
-                label_spans.append(b.add(labels[k]))
-            elif part == "{choice}":
-                b.add(choice)
-            elif part:
-                b.add(part)
-        segments.append((start, len(b)))
-    b.add(post)
+    for piece in re.split(r"(\{question\}|\{options\})", template):
+        if piece == "{question}":
+            b.add(item.question)
+        elif piece == "{options}":
+            for k, choice in enumerate(item.choices):
+                start = len(b)
+                for part in parts:
+                    if part == "{label}":
+                        label_spans.append(b.add(labels[k]))
+                    elif part == "{choice}":
+                        b.add(choice)
+                    elif part:
+                        b.add(part)
+                segments.append((start, len(b)))
+        elif piece:
+            b.add(piece)
     return segments, label_spans
 
 

@@ -29,6 +29,7 @@ class TrainConfig:
     batch_size: int = 64
     lr: float = 2e-3
     weight_decay: float = 0.01
+    decay_steps: int = 0  # the last decay_steps steps lower the lr linearly to 0 (0: constant lr)
     grad_clip: float = 1.0
     init_std: float = 0.1
     layers: int = 4
@@ -97,6 +98,9 @@ class TrainConfig:
         if {"split", "seed", "n"} & set(self.task_options):
             raise GascanError("--task-option may not set split, seed or n (the trainer sets them)",
                               "use --seed, --train-size and --test-size instead")
+        if not isinstance(self.decay_steps, int) or not 0 <= self.decay_steps <= self.steps:
+            raise GascanError(f"--decay-steps must be between 0 and --steps ({self.steps}), got {self.decay_steps!r}",
+                              "pass 0 (constant lr) or at most the number of steps")
         if not isinstance(self.curriculum_steps, int) or self.curriculum_steps < 0:
             raise GascanError(f"--curriculum-steps must be >= 0, got {self.curriculum_steps!r}",
                               "pass 0 (no curriculum) or a step count such as 200")
@@ -115,6 +119,13 @@ class TrainConfig:
         if self.save_every:
             steps |= set(range(self.save_every, self.steps, self.save_every))
         return steps
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate for 0-based ``step``: constant, then linear to 0 over the last ``decay_steps``."""
+        start = self.steps - self.decay_steps
+        if not self.decay_steps or step < start:
+            return self.lr
+        return self.lr * (self.steps - step) / self.decay_steps
 
     def subjects_at(self, step: int, n_subjects: int) -> int:
         """How many subjects the curriculum admits at ``step`` (0-based): 1, 2, 4, ... then all."""

@@ -198,7 +198,7 @@ def command_line(cfg: TrainConfig, out: Path | str) -> str:
     default = TrainConfig()
     parts = ["gascan", "toy", "train", "--arch", cfg.arch, "--task", cfg.task, "--seed", str(cfg.seed),
              "--out", str(out), "--steps", str(cfg.steps)]
-    for name in ("batch_size", "lr", "weight_decay", "init_std", "layers", "heads", "width", "mlp_ratio",
+    for name in ("batch_size", "lr", "weight_decay", "decay_steps", "init_std", "layers", "heads", "width", "mlp_ratio",
                  "ssm_heads", "ssm_state", "vocab_size", "train_size", "test_size", "eval_every",
                  "save_every", "time_budget", "threads"):
         value = getattr(cfg, name)
@@ -314,6 +314,9 @@ def train(cfg: TrainConfig, out_dir: Path | str, *, progress: bool = True, overw
                 ids, last, _, _ = train_data.batch(index)
                 logits = answer_logits(model, ids, last)  # [batch, vocab]
                 loss = F.cross_entropy(logits, gold_tokens[index])
+                if cfg.decay_steps:
+                    for group in optimizer.param_groups:
+                        group["lr"] = cfg.lr_at(step)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 if cfg.grad_clip:

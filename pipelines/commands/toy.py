@@ -56,6 +56,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     t.add_argument("--batch-size", type=int, default=64)
     t.add_argument("--lr", type=float, default=2e-3)
     t.add_argument("--weight-decay", type=float, default=0.01)
+    t.add_argument("--decay-steps", type=int, default=0, help="lower the lr linearly to 0 over the last N steps")
     t.add_argument("--init-std", type=float, default=0.1)
     t.add_argument("--vocab-size", type=int, default=600)
     t.add_argument("--train-size", type=int, default=20000, help="prompts in the training pool")
@@ -85,7 +86,7 @@ def config_from_args(args: argparse.Namespace):
 
     cfg = TrainConfig(
         arch=args.arch, task=args.task, seed=args.seed, steps=args.steps, batch_size=args.batch_size,
-        lr=args.lr, weight_decay=args.weight_decay, init_std=args.init_std, layers=args.layers,
+        lr=args.lr, weight_decay=args.weight_decay, decay_steps=args.decay_steps, init_std=args.init_std, layers=args.layers,
         heads=args.heads, width=args.width, mlp_ratio=args.mlp_ratio, ssm_heads=args.ssm_heads,
         ssm_state=args.ssm_state,
         attn_layers=None if args.attn_layers is None else _int_list(args.attn_layers, "--attn-layers"),
