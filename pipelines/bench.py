@@ -121,6 +121,9 @@ def bench_model(lm: LoadedModel, batch, heads: list[HeadId], *, max_memory_mb: f
             / results["naive_all"].forward_equivalents,
         },
     }
+    # the engine's chunking promise: its sweeps' peak resident memory (above the start) stays within --max-memory
+    out["engine_peak_within_budget"] = (None if not max_memory_mb else
+                                        all(results[k].peak_mb <= max_memory_mb for k in ("sweep_all", "sweep_query")))
     if "atp" in results:
         out["ratios"]["atp_forward_equivalents_wall"] = results["atp"].seconds / t_clean
     return out

@@ -65,6 +65,9 @@ def run(args: argparse.Namespace) -> int:
                           f"{m['seconds']:.2f}", f"{m['seconds'] / naive['seconds']:.3f}", f"{m['peak_mb']:.0f}",
                           "-" if m["max_diff"] is None else f"{m['max_diff']:.1e}")
         console.print(table)
+        if args.max_memory:
+            verdict = "within" if res["engine_peak_within_budget"] else "OVER"
+            console.print(f"engine sweeps' peak memory {verdict} the --max-memory budget of {args.max_memory:.0f} MiB")
     if args.out:
         write_json(args.out, results)
     return 0
