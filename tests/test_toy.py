@@ -130,6 +130,21 @@ def test_kv_task_trains_with_every_value_a_single_token(tmp_path):
     assert meta["unseen_words_split"] is None  # kv has no word splits: held-out prompts only
 
 
+def test_attention_only_model_and_question_after_options(tmp_path):
+    """--mlp-ratio 0 builds attention-only layers; a template with the question after the options trains."""
+    from transformers import AutoModelForCausalLM
+
+    opts = {"option_words": 1, "template": "{options}\nQuestion: {question}\nAnswer:", "option_template": "\n{choice}: {label}"}
+    train(tiny_cfg(mlp_ratio=0, steps=2, eval_every=2, task_options=opts), tmp_path / "ao", progress=False)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "ao", local_files_only=True)
+    assert model.config.intermediate_size == 0
+    assert all(p.numel() == 0 for n, p in model.named_parameters() if ".mlp." in n)
+    meta = json.loads((tmp_path / "ao" / "training.json").read_text())
+    assert meta["example_prompt"].index("Question:") > meta["example_prompt"].index(": D")
+    with pytest.raises(GascanError, match="--mlp-ratio"):
+        TrainConfig(mlp_ratio=-1).validate()
+
+
 def test_lr_decays_linearly_over_the_last_steps_when_asked():
     cfg = TrainConfig(steps=10, decay_steps=4, lr=1.0)
     assert [cfg.lr_at(s) for s in range(10)] == [1.0] * 7 + [0.75, 0.5, 0.25]

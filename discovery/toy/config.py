@@ -35,7 +35,7 @@ class TrainConfig:
     layers: int = 4
     heads: int = 4  # attention heads per attention layer
     width: int = 128
-    mlp_ratio: int = 2  # intermediate size = mlp_ratio * width (transformer and hybrid)
+    mlp_ratio: int = 2  # intermediate size = mlp_ratio * width (transformer and hybrid); 0 = no MLP
     ssm_heads: int = 8  # Mamba-2 heads per SSM layer (head dim = 2 * width / ssm_heads)
     ssm_state: int = 32
     attn_layers: list[int] | None = None  # hybrid only; default: the middle layer
@@ -61,11 +61,14 @@ class TrainConfig:
         if self.task not in TASKS:
             raise GascanError(f"unknown toy task {self.task!r}", f"use one of: {', '.join(TASKS)}")
         for name in ("steps", "batch_size", "layers", "heads", "width", "ssm_heads", "ssm_state",
-                     "vocab_size", "train_size", "test_size", "eval_every", "threads", "mlp_ratio"):
+                     "vocab_size", "train_size", "test_size", "eval_every", "threads"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise GascanError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}",
                                   "pass a whole number >= 1")
+        if not isinstance(self.mlp_ratio, int) or self.mlp_ratio < 0:
+            raise GascanError(f"--mlp-ratio must be a whole number >= 0, got {self.mlp_ratio!r}",
+                              "pass 0 for an attention-only model, or 1, 2, ...")
         if self.width % self.heads:
             raise GascanError(f"--width {self.width} is not divisible by --heads {self.heads}",
                               "choose a width that is a multiple of the head count")

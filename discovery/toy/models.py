@@ -5,6 +5,7 @@ checkpoint that every later stage loads like a real one. One registry entry per 
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -70,5 +71,7 @@ def build_model(cfg: TrainConfig, special: dict[str, int]):
 
     hf_config = TOY_ARCHES.get(cfg.arch)(cfg, special)
     torch.manual_seed(cfg.seed)
-    model = AutoModelForCausalLM.from_config(hf_config)  # sdpa where the family has it
+    with warnings.catch_warnings():  # --mlp-ratio 0: torch warns that initialising empty MLP weights is a no-op
+        warnings.filterwarnings("ignore", message="Initializing zero-element tensors")
+        model = AutoModelForCausalLM.from_config(hf_config)  # sdpa where the family has it
     return model

@@ -50,7 +50,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     t.add_argument("--layers", type=int, default=4)
     t.add_argument("--heads", type=int, default=4, help="attention heads per attention layer")
     t.add_argument("--width", type=int, default=128)
-    t.add_argument("--mlp-ratio", type=int, default=2)
+    t.add_argument("--mlp-ratio", type=int, default=2, help="MLP width as a multiple of --width (0: attention-only layers)")
     t.add_argument("--ssm-heads", type=int, default=8, help="Mamba-2 heads per SSM layer")
     t.add_argument("--ssm-state", type=int, default=32)
     t.add_argument("--batch-size", type=int, default=64)
