@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 import torch
 
@@ -43,13 +43,13 @@ class PeakMemory:
             self.peak_mb = max(self.peak_mb, self.rss_mb() - self.base)
             time.sleep(self.interval)
 
-    def __enter__(self) -> PeakMemory:
+    def __enter__(self) -> Self:
         self.base = self.rss_mb()
         self._thread = threading.Thread(target=self._watch, daemon=True)
         self._thread.start()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
         self.peak_mb = max(self.peak_mb, self.rss_mb() - self.base)
@@ -90,10 +90,10 @@ def bench_model(lm: LoadedModel, batch, heads: list[HeadId], *, max_memory_mb: f
     for name, scope in (("all", ("all",)), ("query", ("query",))):
         ablations = single_head_ablations(heads, "zero", scope)
         engine.layer_rows = 0
-        naive, t_naive, m_naive = _timed(lambda: engine.run_naive(ablations))
+        naive, t_naive, m_naive = _timed(lambda abl=ablations: engine.run_naive(abl))
         naive_cost = engine.layer_rows / unit
         engine.layer_rows = 0
-        fast, t_fast, m_fast = _timed(lambda: engine.run(ablations))
+        fast, t_fast, m_fast = _timed(lambda abl=ablations: engine.run(abl))
         fast_cost = engine.layer_rows / unit
         diff = float((fast.logit_diff - naive.logit_diff).abs().max())
         results[f"naive_{name}"] = Measure(f"naive loop ({name})", t_naive, m_naive, naive_cost, None)
