@@ -226,7 +226,9 @@ class AblationEngine:
             inputs = {k: (v[:, :-1] if k != "use_cache" and k != "logits_to_keep" else v) for k, v in inputs.items()}
             inputs["use_cache"] = True
             with torch.no_grad():
-                self._cache = self.model(**inputs).past_key_values
+                out = self.model(**inputs)
+                # transformers 5.x names the returned cache ``cache`` (``past_key_values`` is its deprecated alias)
+                self._cache = out["cache"] if "cache" in out else out.past_key_values
         return self._cache
 
     def _forward_last(self, repeat: int, config: PassConfig) -> torch.Tensor:

@@ -19,7 +19,10 @@ For one task's batch and head table:
    without replacement): the joint effect with its bootstrap interval over prompts, the control's mean
    and 5–95% range, and ``control_p`` = (1 + #controls at least as harmful) / (1 + #controls). A pair is
    ``verified`` when its joint effect's upper bound lies below the control's 5th percentile (and the
-   control has at least 3 pairs; otherwise ``verified`` is null: not testable).
+   control has at least 3 pairs; otherwise ``verified`` is null: not testable). A pair is ``confident``
+   (the only kind a report calls "G&A pair found") when it is verified *and* both heads look like their
+   roles (P(gather) and P(aggregate) >= ``CONFIDENT_P``): two important heads that are not G&A heads
+   also beat random pairs under joint ablation, so verification alone is no G&A evidence.
 
 Effects are in logit-difference units (ablated − clean; negative = the pair helps).
 """
@@ -47,6 +50,7 @@ PAIR_COLUMNS = (
     "control_q95", "control_n", "control_p", "verified",
 )
 MIN_CONTROLS = 3
+CONFIDENT_P = 0.5  # both heads' role probabilities for a verified pair to count as confident
 
 
 def head_probabilities(frame: pl.DataFrame, summary: Mapping[str, Any] | None = None,
@@ -241,7 +245,14 @@ def _pair_summary(r: Mapping[str, Any]) -> dict[str, Any]:
         "joint_effect_hi": r.get("joint_effect_hi"), "control_effect": r.get("control_mean"),
         "control_q05": r.get("control_q05"), "control_q95": r.get("control_q95"), "control_p": r.get("control_p"),
         "verified": r.get("verified"),
+        "confident": is_confident(r),
     }
+
+
+def is_confident(r: Mapping[str, Any]) -> bool:
+    """Verified against random same-layer pairs, and both heads look like their roles (module docstring)."""
+    return (r.get("verified") is True and (r.get("p_gather") or 0.0) >= CONFIDENT_P
+            and (r.get("p_aggregate") or 0.0) >= CONFIDENT_P)
 
 
 def merge_fields(per_task: Sequence[Mapping[str, Any]], k: int = 3) -> dict[str, Any]:

@@ -521,18 +521,27 @@ VERDICT_WORDS = {"clean": "clean G&A pair(s) found", "distributed": "G&A distrib
 
 
 def pair_verdict(scan: Scan) -> str:
-    """What the pair ranking concluded (top pair verified against random same-layer pairs, or not)."""
+    """What the pair ranking concluded (a confident pair, a verified pair of non-G&A heads, or neither)."""
+    from .pairs import is_confident
+
     pairs = scan.summary.get("top_pairs") or []
     if not pairs:
         return "No ranked G&A pairs in this scan (pair ranking did not run)."
     best = pairs[0]
     name = lambda h: head_name(h["layer"], h["head"], h["kind"])
-    verified = [p for p in pairs if p.get("verified")]
-    if verified:
-        v = verified[0]
+    confident = [p for p in pairs if is_confident(p)]
+    if confident:
+        v = confident[0]
         return (f"G&A pair found: gather {name(v['gather'])} → aggregate {name(v['aggregate'])} "
                 f"(joint ablation {fmt(v.get('joint_effect'))} vs random same-layer pairs "
                 f"{fmt(v.get('control_effect'))}).")
+    verified = [p for p in pairs if p.get("verified")]
+    if verified:
+        v = verified[0]
+        return (f"No confident G&A pair: {name(v['gather'])} → {name(v['aggregate'])} hurts more under joint "
+                f"ablation than random same-layer pairs ({fmt(v.get('joint_effect'))} vs "
+                f"{fmt(v.get('control_effect'))}), but its heads do not look like G&A heads (P(gather) "
+                f"{fmt(v.get('p_gather'))}, P(aggregate) {fmt(v.get('p_aggregate'))}): important heads, not a G&A pair.")
     if best.get("verified") is None and best.get("joint_effect") is not None:
         return (f"Unverified G&A candidate: {name(best['gather'])} → {name(best['aggregate'])} (score "
                 f"{fmt(best.get('score'))}, joint ablation {fmt(best.get('joint_effect'))}); its layers hold too few "

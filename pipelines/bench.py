@@ -100,14 +100,13 @@ def bench_model(lm: LoadedModel, batch, heads: list[HeadId], *, max_memory_mb: f
         results[f"sweep_{name}"] = Measure(f"engine sweep ({name})", t_fast, m_fast, fast_cost, diff)
         naive_scores[name] = naive
         log(f"  {name}: naive {t_naive:.2f}s, engine {t_fast:.2f}s, max |Δ| {diff:.2e}")
-    try:
-        from discovery.attribution import atp_effects
-    except ImportError:
-        atp_effects = None
-    if atp_effects is not None:
-        atp, t_atp, m_atp = _timed(lambda: atp_effects(lm, batch, heads=heads, method="zero", scope=("all",)))
-        results["atp"] = Measure("attribution screen (AtP)", t_atp, m_atp, float(getattr(atp, "passes", 0)) or None,
-                                 None)
+    from discovery.attribution import atp_effects
+
+    for key, label, qk_fix in (("atp", "attribution screen (AtP)", False), ("atp_qk", "AtP with the QK fix", True)):
+        atp, t_atp, m_atp = _timed(lambda q=qk_fix: atp_effects(lm, batch, heads=heads, method="zero",
+                                                               scope=("all",), qk_fix=q))
+        # compute in forward-equivalents as the screen counts it (a backward = two forwards)
+        results[key] = Measure(label, t_atp, m_atp, float(atp.forward_equivalents), None)
     out = {
         "model": lm.name, "n_layers": n_layers, "n_prompts": n_prompts, "positions": engine.n_positions,
         "heads": len(heads), "clean_forward_s": t_clean, "engine_setup_s": t_setup,
@@ -124,6 +123,6 @@ def bench_model(lm: LoadedModel, batch, heads: list[HeadId], *, max_memory_mb: f
     # the engine's chunking promise: its sweeps' peak resident memory (above the start) stays within --max-memory
     out["engine_peak_within_budget"] = (None if not max_memory_mb else
                                         all(results[k].peak_mb <= max_memory_mb for k in ("sweep_all", "sweep_query")))
-    if "atp" in results:
-        out["ratios"]["atp_forward_equivalents_wall"] = results["atp"].seconds / t_clean
+    out["ratios"]["atp_forward_equivalents_wall"] = results["atp"].seconds / t_clean
+    out["ratios"]["atp_qk_forward_equivalents_wall"] = results["atp_qk"].seconds / t_clean
     return out

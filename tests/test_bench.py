@@ -24,6 +24,8 @@ def test_bench_counts_forward_equivalents_and_checks_the_memory_budget():
     assert res["ratios"]["query_vs_naive_compute"] < 0.15
     assert m["sweep_all"]["max_diff"] < 1e-4 and m["sweep_query"]["max_diff"] < 1e-4
     assert res["engine_peak_within_budget"] is True
+    assert m["atp"]["forward_equivalents"] <= 4  # the plain screen: every head from one forward + one backward
+    assert m["atp_qk"]["forward_equivalents"] >= m["atp"]["forward_equivalents"]
     assert bench_model(lm, batch, heads[:2], log=lambda _: None)["engine_peak_within_budget"] is None
 
 

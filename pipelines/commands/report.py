@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
 
         name = lambda h: head_name(h["layer"], h["head"], h["kind"])
         print(f"ranked {table.height} candidate pairs; top: "
-              + ", ".join(f"{name(p['gather'])} → {name(p['aggregate'])} (verified: {p.get('verified')})"
+              + ", ".join(f"{name(p['gather'])} → {name(p['aggregate'])} (verified: {p.get('verified')}, confident: {p.get('confident')})"
                           for p in fields["top_pairs"][:3]))
     path = write_report(args.dir, lm)
     print(f"wrote {path} and {path.with_suffix('.md')}")
