@@ -1,5 +1,6 @@
 """Load a checkpoint safely: a local HF directory, a cached hub id (offline), a ``.gguf`` file,
-``tiny:ARCH`` (a random tiny model for plumbing), or nothing (the bundled toy model).
+``tiny:ARCH`` (a random tiny model for plumbing), ``bundled:NAME`` (a toy model shipped in the package:
+``mc-transformer``, ``mc1-transformer``), or nothing (the bundled default, ``bundled:mc-transformer``).
 
 Weights load without executing code: safetensors and GGUF by default; pickled weights and remote
 code only with explicit opt-ins. Every failure is one line with the fix (:class:`ModelLoadError`).
@@ -95,13 +96,16 @@ def _hub_cache_dir(model_id: str) -> Path | None:
         return None
 
 
+BUNDLED_SPEC = "bundled:mc-transformer"  # what no model spec means: the default bundled toy model
+
+
 def resolve_spec(spec: str | os.PathLike | None) -> tuple[str, Path | None, str | None]:
     """Turn a user's model spec into (kind, directory, gguf file name); kinds: tiny, dir, gguf."""
-    if spec is None:
+    text = BUNDLED_SPEC if spec is None else str(spec)
+    if text.startswith("bundled:"):  # a toy model shipped inside the package (machine-independent name)
         from .toy import bundled_model_path
 
-        return "dir", bundled_model_path(), None
-    text = str(spec)
+        return "dir", bundled_model_path(text.split(":", 1)[1]), None
     if text in PACKAGED:
         path = packaged_checkpoint(text)
         if path is None:
@@ -246,7 +250,7 @@ def load_model(
     model = model.to(device).eval()
     if kind == "gguf":  # the tokenizer lives in the same file: read it once the weights proved sound
         tokenizer = load_tokenizer(spec)
-    return LoadedModel(model, tokenizer, adapter_for(model, mamba1_group_width), str(spec or directory), files)
+    return LoadedModel(model, tokenizer, adapter_for(model, mamba1_group_width), str(spec or BUNDLED_SPEC), files)
 
 
 def as_loaded(model: Any, tokenizer: Any = None, *, name: str | None = None,

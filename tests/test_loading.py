@@ -233,3 +233,12 @@ def test_unknown_tiny_architecture(capsys: pytest.CaptureFixture) -> None:
     rc, out, err = run_inspect(capsys, "tiny:bert")
     assert rc != 0 and out == "" and err.count("\n") == 1
     assert "no tiny config for 'bert'" in err and "llama" in err
+
+
+def test_bundled_models_have_machine_independent_specs(capsys: pytest.CaptureFixture) -> None:
+    from discovery.loading import load_model
+
+    assert load_model().spec == "bundled:mc-transformer"  # no spec: the default, named without a path
+    rc, out, err = run_inspect(capsys, "bundled:mc1-transformer")
+    assert rc == 0 and json.loads(out)["n_layers"] == 4
+    assert_one_line_error(capsys, ["bundled:nope"], "no bundled toy model 'nope'", "mc1-transformer")
