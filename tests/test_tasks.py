@@ -94,6 +94,14 @@ def test_mc_labels_choices_shots_and_templates():
     assert lines[5].startswith("Question: Which of these is") and lines[6] == "Answer:"
     assert [p.text[s:e] for s, e in p.segments] == ["\n" + ln for ln in lines[1:5]]
     assert all(e == le for (_, e), (_, le) in zip(p.segments, p.labels))  # each segment ends on its label
+    # keyword questions: the prompt ends on the asked category (or, for lookup, on the looked-up word)
+    keyword = {"n": 4, "seed": 2, "template": "{options}\nAnswer: {question}", "option_template": "\n{choice}: {label}",
+               "question_form": "keyword"}
+    for p in build_task("mc", keyword).prompts():
+        asked = p.text.rsplit("Answer: ", 1)[1]
+        assert asked == p.meta["subject"] and asked in CATEGORIES
+    for p in build_task("mc", {**keyword, "question": "lookup"}).prompts():
+        assert p.text.endswith("Answer: " + p.meta["choices"][p.gold])
 
 
 def test_kv_styles():

@@ -153,10 +153,12 @@ def make_option(word: str, n_words: int, rng: random.Random) -> str:
 
 
 def generate_items(n: int, n_choices: int, split: str, option_words: int, rng: random.Random,
-                   question: str = "category") -> list[MCItem]:
+                   question: str = "category", question_form: str = "sentence") -> list[MCItem]:
     """Generated questions; ``question="category"``: one word of the asked category, distractors each from
     another category (needs word knowledge); ``"lookup"``: "Which option mentions W?", the gold option
-    is the one whose phrase contains W (pure in-context retrieval: solvable for unseen words)."""
+    is the one whose phrase contains W (pure in-context retrieval: solvable for unseen words).
+    ``question_form="keyword"`` makes the question text just the category name ("fruit") or W."""
+    keyword = question_form == "keyword"
     words = category_words(split)
     names = sorted(words)
     items = []
@@ -166,7 +168,8 @@ def generate_items(n: int, n_choices: int, split: str, option_words: int, rng: r
             chosen = rng.sample(pool, n_choices)
             answer = rng.randrange(n_choices)
             choices = [make_option(w, option_words, rng) for w in chosen]
-            items.append(MCItem(f"Which option mentions {chosen[answer]}?", choices, answer, subject="lookup"))
+            text = chosen[answer] if keyword else f"Which option mentions {chosen[answer]}?"
+            items.append(MCItem(text, choices, answer, subject="lookup"))
         return items
     for _ in range(n):
         cats = rng.sample(names, n_choices)  # cats[0] is asked for; the others give distractors
@@ -175,7 +178,7 @@ def generate_items(n: int, n_choices: int, split: str, option_words: int, rng: r
         chosen = picks[1:]
         chosen.insert(answer, picks[0])
         choices = [make_option(w, option_words, rng) for w in chosen]
-        question = f"Which of these is {CATEGORIES[cats[0]][0]}?"
+        question = cats[0] if keyword else f"Which of these is {CATEGORIES[cats[0]][0]}?"
         items.append(MCItem(question, choices, answer, subject=cats[0]))
     return items
 
@@ -190,6 +193,8 @@ class MCTask(Task):
         "question": Option("category", "generated questions: category ('Which of these is a fruit?', needs word "
                            "knowledge) or lookup ('Which option mentions apple?', in-context retrieval)", str,
                            choices=("category", "lookup")),
+        "question_form": Option("sentence", "generated question text: sentence ('Which of these is a fruit?') or "
+                                "keyword ('fruit'; with lookup, the word itself)", str, choices=("sentence", "keyword")),
         "labels": Option("upper", "option labels: upper (A B C D), lower (a b c d), digits (1 2 3 4) "
                          "or a list X,Y,Z", str, check=_check_labels),
         "split": Option("all", "generator words: train and test are DISJOINT word lists", str,
@@ -220,10 +225,11 @@ class MCTask(Task):
                     "use fewer choices or more labels",
                 )
             rng = random.Random(o["seed"])
-            items = generate_items(o["n"], o["n_choices"], o["split"], o["option_words"], rng, o["question"])
+            items = generate_items(o["n"], o["n_choices"], o["split"], o["option_words"], rng, o["question"],
+                                   o["question_form"])
             shot_rng = random.Random(o["seed"] + 7919)
             pool = (generate_items(max(o["shots"] * 4, 1), o["n_choices"], o["split"], o["option_words"],
-                                   shot_rng, o["question"]) if o["shots"] else [])
+                                   shot_rng, o["question"], o["question_form"]) if o["shots"] else [])
             shots_for = [shot_rng.sample(pool, o["shots"]) if o["shots"] else [] for _ in items]
         else:
             all_items = read_mc_file(self.path, labels, o["on_bad_row"], self.skipped)
