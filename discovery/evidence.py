@@ -157,6 +157,20 @@ def _clean(engine: AblationEngine) -> dict[str, float]:
 # ---------------------------------------------------------------------------------------------
 
 
+def _ticker(progress: Progress | None, stage: str, total: int) -> Callable[[int], None]:
+    """A callback for the engine's ``run(progress=...)`` that advances ``stage`` by the rows it finished."""
+    done = [0]
+    if progress:
+        progress(stage, 0, total)
+
+    def tick(n: int) -> None:
+        done[0] += n
+        if progress:
+            progress(stage, done[0], total)
+
+    return tick
+
+
 def position_effects(engine: AblationEngine, heads: Iterable[HeadId] | None = None, *,
                      scopes: Sequence[str] = tuple(SCOPE_ABLATIONS), bootstrap: int = 1000, seed: int = 0,
                      prefix: str = "", progress: Progress | None = None) -> pl.DataFrame:
@@ -176,13 +190,7 @@ def position_effects(engine: AblationEngine, heads: Iterable[HeadId] | None = No
     for s in scopes:
         method, where = SCOPE_ABLATIONS[s]
         ablations += single_head_ablations(heads, method, where)
-    done = [0]
-
-    def tick(n: int) -> None:
-        done[0] += n
-        if progress:
-            progress(f"{prefix}position effects", done[0], len(ablations))
-
+    tick = _ticker(progress, f"{prefix}position effects", len(ablations))
     effects = engine.effects(ablations, engine.run(ablations, progress=tick))
     columns: dict[str, list[Any]] = {"layer": [h.layer for h in heads], "head": [h.index for h in heads],
                                      "kind": [h.kind for h in heads]}
@@ -423,9 +431,8 @@ def group_ablations(engine: AblationEngine, frame: pl.DataFrame, thresholds: Evi
         plans.append((g, draws))
         ablations.append(Ablation(g.heads, "zero", g.scope, label=g.name))
         ablations += [Ablation(d, "zero", g.scope, label=f"control:{g.name}") for d in draws]
-    if progress:
-        progress("group ablations", 0, len(ablations))
-    effects = engine.effects(ablations, engine.run(ablations, progress=None)) if ablations else None
+    tick = _ticker(progress, "group ablations", len(ablations))
+    effects = engine.effects(ablations, engine.run(ablations, progress=tick)) if ablations else None
     rows: list[dict[str, Any]] = []
     start = 0
     spare: list[tuple[int, HeadId]] = []  # (row, spared member)
@@ -459,9 +466,8 @@ def group_ablations(engine: AblationEngine, frame: pl.DataFrame, thresholds: Evi
         for r, h in spare:
             g = plans[r][0]
             spare_abl.append(Ablation(tuple(x for x in g.heads if x != h), "zero", g.scope, label=f"spare:{h}"))
-        if progress:
-            progress("group ablations (spare one)", 0, len(spare_abl))
-        spared = engine.effects(spare_abl).logit_diff.double()  # [spare, prompt]
+        tick = _ticker(progress, "group ablations (spare one)", len(spare_abl))
+        spared = engine.effects(spare_abl, engine.run(spare_abl, progress=tick)).logit_diff.double()  # [spare, prompt]
         for j, (r, h) in enumerate(spare):
             g_start = sum(1 + len(d) for _, d in plans[:r])
             joint = effects.logit_diff[g_start].double()  # [prompt]
@@ -988,6 +994,8 @@ def evidence_report(lm: LoadedModel, batch: AnnotatedBatch, frame: pl.DataFrame,
     if progress:
         progress("read tests", 0, len(candidates))
     reads = read_test(engine, candidates, aggregates, th)
+    if progress:
+        progress("read tests", len(candidates), len(candidates))
     roles, verdict = verdicts(table, groups, th, clean=clean, reads=reads, minimal=minimal)
     heads_out = table.join(roles.drop("name"), on=["layer", "head", "kind"], how="left")
     if tasks:  # name the task in every table, so several tasks' tables concatenate

@@ -88,19 +88,19 @@ def run(args: argparse.Namespace) -> int:
             bar.update(ids[stage], completed=done, total=total)
 
         heads, summary = scan_model(lm, options, progress=progress)
-    out = write_scan(args.out, heads, summary)
-    if args.ablation != "none" and heads.height:
-        from discovery.evidence import scan_evidence, write_evidence
-        from discovery.pairs import scan_pairs, write_pairs
+        out = write_scan(args.out, heads, summary)
+        if args.ablation != "none" and heads.height:
+            from discovery.evidence import scan_evidence, write_evidence
+            from discovery.pairs import scan_pairs, write_pairs
 
-        with console.status("evidence: position-resolved effects, minimal model, group ablations, verdicts"):
-            tables, evidence_fields = scan_evidence(lm, heads, summary)
-        write_evidence(out, tables, evidence_fields)
-        summary.update(evidence_fields)
-
-        with console.status("ranking gather→aggregate pairs (interaction test, joint ablation vs control)"):
+            # position-resolved effects, minimal model, group ablations, verdicts (bars per stage)
+            tables, evidence_fields = scan_evidence(lm, heads, summary, progress=progress)
+            write_evidence(out, tables, evidence_fields)
+            summary.update(evidence_fields)
+            progress("pairs (ranking, joint ablation)", 0, 1)
             pairs, fields = scan_pairs(lm, heads, summary)
-        write_pairs(out, pairs, fields)
+            write_pairs(out, pairs, fields)
+            progress("pairs (ranking, joint ablation)", 1, 1)
     for task, info in summary["tasks"].items():
         clean = info["clean"]
         console.print(f"{task}: accuracy {clean['acc']:.3f}, logit diff {clean['logit_diff']:.3f} "
