@@ -9,7 +9,9 @@ teacher's retrieval performance. So a head's placement score combines:
   pattern × effect evidence ``gather_x_effect`` / ``agg_x_effect``);
 - its causal importance: the larger of its all-position and query-position drop in logit difference,
   relative to the clean value, clipped to [0, 1];
-- membership of a ranked G&A pair: +0.25 for a top pair, +0.5 when joint ablation verified the pair;
+- membership of a ranked G&A pair: +0.25 for a top pair, +0.5 for a confident one (verified by joint
+  ablation *and* both heads look like their roles: a verified pair of important non-G&A heads gets
+  +0.25 only; on the single-word fixture the larger bonus put attention on the wrong layer);
 - the evidence stage's role when the scan has one (``evidence.parquet``): a causally confirmed gather or
   aggregate head counts as role evidence ≥ 0.9, a decoy's role evidence is cut to a tenth.
 
@@ -29,6 +31,7 @@ import numpy as np
 import polars as pl
 
 from .errors import GascanError
+from .pairs import is_confident
 
 UNITS = ("layer", "head")
 
@@ -74,13 +77,14 @@ def _pair_members(pairs: pl.DataFrame | None) -> dict[tuple[int, int, str], tupl
         g = (r["gather_layer"], r["gather_head"], r["gather_kind"])
         a = (r["aggregate_layer"], r["aggregate_head"], r["aggregate_kind"])
         verified = bool(r.get("verified"))
-        bonus = 0.5 if verified else 0.25
+        bonus = 0.5 if is_confident(r) else 0.25
         gname = f"L{g[0]}{'H' if g[2] == 'attn' else 'S'}{g[1]}"
         aname = f"L{a[0]}{'H' if a[2] == 'attn' else 'S'}{a[1]}"
         evidence = (f"joint ablation {r['joint_effect']:.3g} vs random same-layer pairs {r['control_mean']:.3g}"
                     if r.get("joint_effect") is not None and r.get("control_mean") is not None else
                     f"pair score {r.get('score', 0.0):.3g}")
-        text = f"{'verified' if verified else 'ranked'} pair {gname} → {aname} ({evidence})"
+        kind = "confident" if is_confident(r) else "verified (heads not G&A-like)" if verified else "ranked"
+        text = f"{kind} pair {gname} → {aname} ({evidence})"
         for head in (g, a):
             if head not in out or out[head][0] < bonus:
                 out[head] = (bonus, text)

@@ -17,9 +17,10 @@ from discovery.placement import default_budget, place
 from pipelines.cli import main
 
 
-def _pairs(verified: bool) -> pl.DataFrame:
+def _pairs(verified: bool, p: float = 0.9) -> pl.DataFrame:
     return pl.DataFrame([{"task": "mc", "rank": 1, "gather_layer": 2, "gather_head": 1, "gather_kind": "attn",
                           "aggregate_layer": 3, "aggregate_head": 2, "aggregate_kind": "attn", "score": 0.9,
+                          "p_gather": p, "p_aggregate": p,
                           "joint_effect": -3.5, "control_mean": -0.1, "verified": verified}])
 
 
@@ -46,7 +47,13 @@ def test_verified_pair_raises_its_heads_and_is_cited():
     assert (without.layer, without.head) == (5, 0)
     with_pair = place(heads, synthetic_summary("m"), _pairs(True), budget=2, unit="head")
     assert {(c.layer, c.head) for c in with_pair} == {(3, 2), (2, 1)}
-    assert "verified pair L2H1 → L3H2 (joint ablation -3.5" in with_pair[0].why
+    assert "confident pair L2H1 → L3H2 (joint ablation -3.5" in with_pair[0].why
+    # verified, but neither head looks like its role: half the bonus, and the reason says so
+    weak = {(c.layer, c.head): c for c in place(heads, synthetic_summary("m"), _pairs(True, p=0.1), budget=8,
+                                                unit="head")}
+    strong = {(c.layer, c.head): c for c in with_pair}
+    assert weak[3, 2].score == pytest.approx(strong[3, 2].score - 0.25)
+    assert "verified (heads not G&A-like) pair L2H1 → L3H2" in weak[3, 2].why
 
 
 def test_ssm_heads_get_insert_attention_and_budgets():
