@@ -21,8 +21,10 @@ For one task's batch and head table:
    ``verified`` when its joint effect's upper bound lies below the control's 5th percentile (and the
    control has at least 3 pairs; otherwise ``verified`` is null: not testable). A pair is ``confident``
    (the only kind a report calls "G&A pair found") when it is verified *and* both heads look like their
-   roles (P(gather) and P(aggregate) >= ``CONFIDENT_P``): two important heads that are not G&A heads
-   also beat random pairs under joint ablation, so verification alone is no G&A evidence.
+   roles: P(gather) and P(aggregate) >= ``CONFIDENT_P``, or the evidence stage gave them the roles
+   ``gather`` and ``aggregate`` (pattern and effect at the right positions, the aggregate head reading
+   the gather head). Two important heads that are not G&A heads also beat random pairs under joint
+   ablation, so verification alone is no G&A evidence.
 
 Effects are in logit-difference units (ablated − clean; negative = the pair helps).
 """
@@ -245,14 +247,16 @@ def _pair_summary(r: Mapping[str, Any]) -> dict[str, Any]:
         "joint_effect_hi": r.get("joint_effect_hi"), "control_effect": r.get("control_mean"),
         "control_q05": r.get("control_q05"), "control_q95": r.get("control_q95"), "control_p": r.get("control_p"),
         "verified": r.get("verified"),
+        "gather_role": r.get("gather_role"), "aggregate_role": r.get("aggregate_role"),
         "confident": is_confident(r),
     }
 
 
 def is_confident(r: Mapping[str, Any]) -> bool:
     """Verified against random same-layer pairs, and both heads look like their roles (module docstring)."""
-    return (r.get("verified") is True and (r.get("p_gather") or 0.0) >= CONFIDENT_P
-            and (r.get("p_aggregate") or 0.0) >= CONFIDENT_P)
+    by_classifier = (r.get("p_gather") or 0.0) >= CONFIDENT_P and (r.get("p_aggregate") or 0.0) >= CONFIDENT_P
+    by_evidence = r.get("gather_role") == "gather" and r.get("aggregate_role") == "aggregate"
+    return r.get("verified") is True and (by_classifier or by_evidence)
 
 
 def merge_fields(per_task: Sequence[Mapping[str, Any]], k: int = 3) -> dict[str, Any]:

@@ -541,7 +541,8 @@ def pair_verdict(scan: Scan) -> str:
         return (f"No confident G&A pair: {name(v['gather'])} → {name(v['aggregate'])} hurts more under joint "
                 f"ablation than random same-layer pairs ({fmt(v.get('joint_effect'))} vs "
                 f"{fmt(v.get('control_effect'))}), but its heads do not look like G&A heads (P(gather) "
-                f"{fmt(v.get('p_gather'))}, P(aggregate) {fmt(v.get('p_aggregate'))}): important heads, not a G&A pair.")
+                f"{fmt(v.get('p_gather'))}, P(aggregate) {fmt(v.get('p_aggregate'))}; evidence roles "
+                f"{v.get('gather_role') or '–'}, {v.get('aggregate_role') or '–'}): important heads, not a G&A pair.")
     if best.get("verified") is None and best.get("joint_effect") is not None:
         return (f"Unverified G&A candidate: {name(best['gather'])} → {name(best['aggregate'])} (score "
                 f"{fmt(best.get('score'))}, joint ablation {fmt(best.get('joint_effect'))}); its layers hold too few "

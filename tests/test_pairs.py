@@ -87,3 +87,15 @@ def test_interaction_patterns_follow_the_ablation(planted):
     unrelated = aggregate_metrics_under(circuit.lm, batch, HeadId(1, 0, "attn"), [a])[a]
     assert clean["agg_focus"] > 0.9 and knocked["agg_focus"] < 0.5
     assert unrelated["agg_focus"] == pytest.approx(clean["agg_focus"], abs=0.05)
+
+
+def test_a_pair_is_confident_only_when_verified_and_its_heads_look_like_g_and_a():
+    from discovery.pairs import is_confident
+
+    base = {"verified": True, "p_gather": 0.1, "p_aggregate": 0.1, "gather_role": "other_important",
+            "aggregate_role": "other_important"}
+    assert not is_confident(base)  # two important heads beat random pairs: not G&A evidence
+    assert is_confident({**base, "p_gather": 0.9, "p_aggregate": 0.6})  # the classifier sees the roles
+    assert is_confident({**base, "gather_role": "gather", "aggregate_role": "aggregate"})  # the evidence stage does
+    assert not is_confident({**base, "gather_role": "gather", "aggregate_role": "aggregate", "verified": False})
+    assert not is_confident({**base, "p_gather": 0.9, "p_aggregate": 0.9, "verified": None})
