@@ -147,6 +147,23 @@ class _Plan:
     edits: PassConfig = field(default_factory=PassConfig)
 
 
+Progress = Callable[[str, int, int], None]  # (stage, done, total): what a command's progress bar takes
+
+
+def stage_ticker(progress: Progress | None, stage: str, total: int) -> Callable[[int], None]:
+    """A callback for :meth:`AblationEngine.run` (``progress=``) that advances ``stage`` by the rows it finished."""
+    done = [0]
+    if progress:
+        progress(stage, 0, total)
+
+    def tick(n: int) -> None:
+        done[0] += n
+        if progress:
+            progress(stage, done[0], total)
+
+    return tick
+
+
 class AblationEngine:
     """Ablation effects of heads on one annotated batch of prompts (see module docstring)."""
 

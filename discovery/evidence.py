@@ -40,7 +40,7 @@ from typing import Any
 import polars as pl
 import torch
 
-from .ablation import Ablation, AblationEngine, query_scores, single_head_ablations
+from .ablation import Ablation, AblationEngine, Progress, query_scores, single_head_ablations, stage_ticker
 from .errors import GascanError
 from .heads import HeadId
 from .loading import LoadedModel
@@ -60,7 +60,6 @@ SCOPE_ABLATIONS: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 MINIMAL_SCOPES = ("all", "query", "segment")
 SHORT = {"logit_diff": "ld", "acc": "acc", "gold_logprob": "lp"}
-Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
 
 @dataclass
@@ -157,20 +156,6 @@ def _clean(engine: AblationEngine) -> dict[str, float]:
 # ---------------------------------------------------------------------------------------------
 
 
-def _ticker(progress: Progress | None, stage: str, total: int) -> Callable[[int], None]:
-    """A callback for the engine's ``run(progress=...)`` that advances ``stage`` by the rows it finished."""
-    done = [0]
-    if progress:
-        progress(stage, 0, total)
-
-    def tick(n: int) -> None:
-        done[0] += n
-        if progress:
-            progress(stage, done[0], total)
-
-    return tick
-
-
 def position_effects(engine: AblationEngine, heads: Iterable[HeadId] | None = None, *,
                      scopes: Sequence[str] = tuple(SCOPE_ABLATIONS), bootstrap: int = 1000, seed: int = 0,
                      prefix: str = "", progress: Progress | None = None) -> pl.DataFrame:
@@ -190,7 +175,7 @@ def position_effects(engine: AblationEngine, heads: Iterable[HeadId] | None = No
     for s in scopes:
         method, where = SCOPE_ABLATIONS[s]
         ablations += single_head_ablations(heads, method, where)
-    tick = _ticker(progress, f"{prefix}position effects", len(ablations))
+    tick = stage_ticker(progress, f"{prefix}position effects", len(ablations))
     effects = engine.effects(ablations, engine.run(ablations, progress=tick))
     columns: dict[str, list[Any]] = {"layer": [h.layer for h in heads], "head": [h.index for h in heads],
                                      "kind": [h.kind for h in heads]}
@@ -431,7 +416,7 @@ def group_ablations(engine: AblationEngine, frame: pl.DataFrame, thresholds: Evi
         plans.append((g, draws))
         ablations.append(Ablation(g.heads, "zero", g.scope, label=g.name))
         ablations += [Ablation(d, "zero", g.scope, label=f"control:{g.name}") for d in draws]
-    tick = _ticker(progress, "group ablations", len(ablations))
+    tick = stage_ticker(progress, "group ablations", len(ablations))
     effects = engine.effects(ablations, engine.run(ablations, progress=tick)) if ablations else None
     rows: list[dict[str, Any]] = []
     start = 0
@@ -466,7 +451,7 @@ def group_ablations(engine: AblationEngine, frame: pl.DataFrame, thresholds: Evi
         for r, h in spare:
             g = plans[r][0]
             spare_abl.append(Ablation(tuple(x for x in g.heads if x != h), "zero", g.scope, label=f"spare:{h}"))
-        tick = _ticker(progress, "group ablations (spare one)", len(spare_abl))
+        tick = stage_ticker(progress, "group ablations (spare one)", len(spare_abl))
         spared = engine.effects(spare_abl, engine.run(spare_abl, progress=tick)).logit_diff.double()  # [spare, prompt]
         for j, (r, h) in enumerate(spare):
             g_start = sum(1 + len(d) for _, d in plans[:r])

@@ -76,14 +76,14 @@ def _pair_members(pairs: pl.DataFrame | None) -> dict[tuple[int, int, str], tupl
     for r in order.head(10).iter_rows(named=True):
         g = (r["gather_layer"], r["gather_head"], r["gather_kind"])
         a = (r["aggregate_layer"], r["aggregate_head"], r["aggregate_kind"])
-        verified = bool(r.get("verified"))
-        bonus = 0.5 if is_confident(r) else 0.25
+        confident = is_confident(r)
+        bonus = 0.5 if confident else 0.25
         gname = f"L{g[0]}{'H' if g[2] == 'attn' else 'S'}{g[1]}"
         aname = f"L{a[0]}{'H' if a[2] == 'attn' else 'S'}{a[1]}"
         evidence = (f"joint ablation {r['joint_effect']:.3g} vs random same-layer pairs {r['control_mean']:.3g}"
                     if r.get("joint_effect") is not None and r.get("control_mean") is not None else
                     f"pair score {r.get('score', 0.0):.3g}")
-        kind = "confident" if is_confident(r) else "verified (heads not G&A-like)" if verified else "ranked"
+        kind = "confident" if confident else "verified (heads not G&A-like)" if r.get("verified") else "ranked"
         text = f"{kind} pair {gname} → {aname} ({evidence})"
         for head in (g, a):
             if head not in out or out[head][0] < bonus:

@@ -86,7 +86,6 @@ def bench_model(lm: LoadedModel, batch, heads: list[HeadId], *, max_memory_mb: f
     _, t_clean, _ = _timed(clean_forward)
     _, t_clean, _ = _timed(clean_forward)  # warm
     results: dict[str, Measure] = {}
-    naive_scores = {}
     for name, scope in (("all", ("all",)), ("query", ("query",))):
         ablations = single_head_ablations(heads, "zero", scope)
         engine.layer_rows = 0
@@ -98,7 +97,6 @@ def bench_model(lm: LoadedModel, batch, heads: list[HeadId], *, max_memory_mb: f
         diff = float((fast.logit_diff - naive.logit_diff).abs().max())
         results[f"naive_{name}"] = Measure(f"naive loop ({name})", t_naive, m_naive, naive_cost, None)
         results[f"sweep_{name}"] = Measure(f"engine sweep ({name})", t_fast, m_fast, fast_cost, diff)
-        naive_scores[name] = naive
         log(f"  {name}: naive {t_naive:.2f}s, engine {t_fast:.2f}s, max |Δ| {diff:.2e}")
     from discovery.attribution import atp_effects
 

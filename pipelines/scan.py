@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,7 +16,7 @@ from typing import Any
 import polars as pl
 import torch
 
-from discovery.ablation import AblationEngine, single_head_ablations
+from discovery.ablation import AblationEngine, Progress, single_head_ablations, stage_ticker
 from discovery.errors import GascanError
 from discovery.heads import HeadGroup, HeadId
 from discovery.loading import LoadedModel
@@ -30,7 +30,6 @@ PATTERN_METRICS = ("gather_score", "gather_entropy", "agg_focus", "agg_focus_seg
                    "agg_margin", "selectivity")
 TABLE_VERSION = 1
 
-Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
 
 @dataclass
@@ -92,8 +91,7 @@ def _pattern_metrics(lm: LoadedModel, batch: AnnotatedBatch, groups: list[HeadGr
     parts: dict[tuple[int, str], dict[str, list[torch.Tensor]]] = {}
     layers = sorted({g.layer for g in groups})
     kinds = sorted({g.kind for g in groups})
-    done = [0]
-    total = len(groups) * math.ceil(len(batch) / chunk)
+    tick = stage_ticker(progress, "patterns", len(groups) * math.ceil(len(batch) / chunk))
 
     def sink(group: HeadGroup, rows: slice, pattern: torch.Tensor, extras: dict) -> None:
         sub = batch.select(rows)
@@ -101,9 +99,7 @@ def _pattern_metrics(lm: LoadedModel, batch: AnnotatedBatch, groups: list[HeadGr
         out = parts.setdefault((group.layer, group.kind), {})
         for name, values in metrics.pattern_metrics(pattern, sub).items():
             out.setdefault(name, []).append(values.cpu())
-        done[0] += 1
-        if progress:
-            progress("patterns", done[0], total)
+        tick(1)
 
     for_each_pattern(lm, batch, sink, layers=layers, kinds=kinds, chunk_prompts=chunk)
     return {key: metrics.summarise({m: torch.cat(v) for m, v in vals.items()}) for key, vals in parts.items()}
@@ -175,13 +171,7 @@ def scan_task(lm: LoadedModel, task_spec: str, options: ScanOptions, *, layers: 
     sweeps = {"exact": [("all", ("all",)), ("query", ("query",))], "query": [("query", ("query",))]}
     for scope_name, scope in sweeps.get(options.ablation, []):
         ablations = single_head_ablations(heads, "zero", scope)
-        done = [0]
-
-        def tick(n: int, scope_name: str = scope_name, done: list[int] = done, total: int = len(ablations)) -> None:
-            done[0] += n
-            if progress:
-                progress(f"ablation ({scope_name})", done[0], total)
-
+        tick = stage_ticker(progress, f"ablation ({scope_name})", len(ablations))
         effects = engine.effects(ablations, engine.run(ablations, progress=tick))
         for metric, short in EFFECT_METRICS.items():
             mean, lo, hi = bootstrap_ci(effects[metric], options.bootstrap, seed=options.seed)
