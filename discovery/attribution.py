@@ -14,45 +14,51 @@ own :func:`~discovery.ablation.class_means`, so both ablate to the same values).
 
 **QK fix** (the attention-saturation fix of AtP*). Ablating a head changes the residual stream that
 later attention layers read their queries and keys from; through a saturated softmax that change can
-move a pattern far more (or far less) than the gradient says. The paper fixes this for query and key
-nodes by computing the change of the attention *scores* exactly and pushing it through the softmax
-exactly, weighting the change of probabilities with the gradient with respect to them. Our nodes are
-head outputs, so for every attention head ``h`` (layer ``l``) and every later attention layer ``m``
-the fix does, per prompt:
+move a pattern far more (or far less) than the gradient says. AtP* fixes this by computing the change
+of the attention *scores* and pushing it through the softmax exactly, weighting the change of the
+probabilities with the gradient with respect to them. Here, for every wanted head ``h`` that writes
+straight into the residual stream (its out-projection output, times the layer's fixed multiplier;
+attention and SSM heads alike) and every later attention layer ``m``, at each prompt's query row
+(where the metric is read):
 
-1. ``delta_h``: the exact change of layer ``l``'s output when ``h`` is ablated (one pass of layer
-   ``l`` alone, with the clean hidden state before it; rows = heads x prompts);
-2. ``A'``: layer ``m``'s attention probabilities recomputed by the model's own attention code from
-   the clean input of layer ``m`` plus ``delta_h`` (one partial pass of layer ``m``, stopped as soon
-   as its probabilities exist) — the *direct-path* change of every query and key, with scores and
-   softmax exact (RoPE, QK norms, soft-capping, sliding windows included);
-3. the correction ``<dM/dA_m, A' - A_m> - <G_m, delta_h>`` is added to the AtP estimate, where
-   ``G_m = d<dM/dA_m, A_m>/d(input of layer m)`` (one short extra backward through layer ``m``'s
-   query/key path) is what AtP already counted for that path to first order. For a small
-   ``delta_h`` the correction vanishes; when a pattern saturates it replaces the linear guess.
+1. ``delta_h``: ``h``'s direct write under the ablation, ``(x_ablated - x)[h] @ W_out[h]^T`` at
+   every position (the same-layer MLP and later layers are not followed);
+2. the query row's score change: exact for the query (layer ``m``'s own code recomputes the query
+   and the query position's own key from the clean input plus ``delta_h`` there, one token per
+   source head, so norms, RoPE and QK norms apply), first order for the keys at the other positions
+   (``<d score_j / d input_j, delta_h[j]>``, the gradients taken once per query head by short
+   backwards through the layer's key path); the product of the two changes is left out, as AtP*
+   leaves it out by treating queries and keys as separate nodes;
+3. the new row ``A'`` = softmax of the new scores (with the model's scale, soft-capping and mask),
+   and the correction ``<dM/dA_m, A' - A_m> - <L_m, delta_h>`` added to the AtP estimate, where
+   ``L_m`` (one backward of the row's ``<dM/dA_m, A_m>`` through layer ``m``'s query/key path) is
+   what AtP itself counted for that path to first order. For a small ``delta_h`` the correction
+   vanishes; when the pattern saturates it replaces the linear guess.
 
-What it does not fix: pattern changes mediated by intermediate layers (a head in layer ``l`` moving
-layer ``l+1``'s output, which moves layer ``m``'s pattern) stay linear, as do MLP and norm
-nonlinearities, and SSM heads (as sources or readers) get plain AtP. Its cost grows with
-(attention heads) x (later attention layers): each source head costs about one layer per later
-attention layer, which is far below the exact sweep only when few layers have attention. On
-all-attention models it costs about as much as the exact sweep (11 vs 8 forward-equivalents on the
-3-layer tiny llama, 13.5 vs 10 on a 4x4 toy, ~140 vs 140 on SmolLM2-135M): there, pass
-``qk_fix=False`` for a cheap screen (3 forward-equivalents; 4 with mean ablation). The measured cost
-of every run is in :attr:`AttributionResult.forward_equivalents`.
+Exact when the sources move only the keys, linearly (tested on a model built that way). Heads whose
+write passes through a norm or another block first (Gemma 2/3 and OLMo 2 post-norms, Zamba2's
+shared attention block) get plain AtP. Cost: the query passes and key-path backwards are a fraction
+of a layer each; on SmolLM2-135M (270 heads, 8 prompts) the fixed screen costs 3.3-3.4
+forward-equivalents against 2.0 for plain AtP, both measured.
+
+**Cost** is measured, not assumed: :class:`~discovery.flops.MatmulFlops` counts the matmul FLOPs
+of everything the screen runs (means, forward, backward, the fix) and
+:attr:`AttributionResult.forward_equivalents` divides them by those of the clean forward it runs.
+With frozen weights a backward computes input gradients only, about one forward.
 
 :func:`rank_agreement` compares an estimate with exact effects (Spearman, recall@k by |effect|).
 """
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from .ablation import SCOPES, class_index, class_means, replace_heads, scope_positions
+from .ablation import SCOPES, class_index, class_means, scope_positions
 from .errors import GascanError
+from .flops import MatmulFlops
 from .heads import HeadId
 from .intervene import Intervener, PassConfig
 from .loading import LoadedModel
@@ -70,9 +76,8 @@ class AttributionResult:
 
     ``qk_correction`` ``[head, prompt]`` is the part of ``estimate`` that the QK fix added (``None``
     when it did not run; zero for heads it does not apply to). ``passes`` counts full-batch forwards
-    and backwards (each backward counted once); ``forward_equivalents`` is the measured cost in
-    units of one clean forward over the batch: a backward counts as two forwards and the QK fix's
-    partial passes count the layers they ran, row by row.
+    and backwards (each backward counted once); ``forward_equivalents`` is the measured cost: matmul
+    FLOPs of the whole screen over those of one clean forward over the batch.
     """
 
     heads: list[HeadId]
@@ -97,18 +102,6 @@ class AttributionResult:
         })
 
 
-class _Stop(Exception):
-    """Raised by a sink to end a partial forward once the wanted tensor exists."""
-
-
-def _keep_and_stop(store: list[torch.Tensor]) -> Callable[[torch.Tensor], None]:
-    def sink(tensor: torch.Tensor) -> None:
-        store.append(tensor.detach())
-        raise _Stop
-
-    return sink
-
-
 def _check(lm: LoadedModel, batch: AnnotatedBatch, heads, method: str, scope: Sequence[str], metric: str,
            chunk_prompts: int) -> list[HeadId]:
     if method not in ATP_METHODS:
@@ -131,6 +124,43 @@ def _check(lm: LoadedModel, batch: AnnotatedBatch, heads, method: str, scope: Se
     return chosen
 
 
+class _Stop(Exception):
+    """Raised by a sink to end a partial forward once the wanted tensors exist."""
+
+
+@dataclass
+class _Target:
+    """What the QK fix knows of one later attention layer at each prompt's query row (clean run)."""
+
+    layer: int
+    probs: torch.Tensor  # [prompt, head, key] the query row's attention probabilities
+    grad: torch.Tensor  # [prompt, head, key] dMetric/dA on that row
+    raw: torch.Tensor  # [prompt, head, key] scaled scores before soft-capping (log-probs up to a constant)
+    keys: torch.Tensor  # [prompt, head, key, d_head] keys as the attention function saw them, per query head
+    valid: torch.Tensor  # [prompt, key] bool: the keys the query row may read
+    key_grad: torch.Tensor  # [head, prompt, pos, d_model] d(raw on the query row)/d(layer input) via the keys
+    linear: torch.Tensor  # [prompt, pos, d_model] d<grad, probs>/d(layer input): AtP's first order on this row
+    query_input: torch.Tensor  # [prompt, d_model] the layer's clean input at the query position
+    scale: float
+    softcap: float | None
+
+    def pattern(self, raw: torch.Tensor) -> torch.Tensor:
+        """Softmax of ``raw`` ``[..., prompt, head, key]`` after the model's soft-capping, on the valid keys."""
+        scores = raw if self.softcap is None else self.softcap * torch.tanh(raw / self.softcap)
+        return torch.softmax(scores.masked_fill(~self.valid[:, None], float("-inf")), dim=-1)
+
+
+def _valid_keys(mask, query_pos: torch.Tensor, n_keys: int) -> torch.Tensor:
+    """``[prompt, key]`` bool from the attention function's mask at each prompt's query row."""
+    rows = torch.arange(len(query_pos), device=query_pos.device)
+    if mask is None:  # plain causal attention
+        return torch.arange(n_keys, device=query_pos.device)[None] <= query_pos[:, None]
+    row = mask[rows, 0, query_pos]  # [prompt, key]
+    if row.dtype == torch.bool:
+        return row
+    return row > torch.finfo(row.dtype).min / 2
+
+
 class _Screen:
     """State of one AtP run over a batch (see :func:`atp_effects`)."""
 
@@ -143,29 +173,31 @@ class _Screen:
         self.max_rows = max_rows
         self.intervener = Intervener(lm.adapter)
         self.left = batch.padding_side == "left"
-        self.keep_last = self.left and "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        signature = inspect.signature(self.model.forward).parameters
+        self.keep_last = self.left and "logits_to_keep" in signature
+        self.accepts_position_ids = "position_ids" in signature
         self.groups = sorted({(h.layer, h.kind) for h in heads})
         self.row_of = {h: i for i, h in enumerate(heads)}
-        self.n_layers = self.inventory.n_layers
-        self.layer_rows = 0.0  # layers x prompt-rows computed (a backward counts twice)
         self.passes = 0
+        self.flops = MatmulFlops()
+        self.clean_flops = 0  # FLOPs of the clean forward over the whole batch, measured as it runs
         attn_layers = sorted({g.layer for g in self.inventory.groups if g.kind == "attn"})
-        # QK fix: sources are wanted attention heads with a later attention layer; targets those layers
-        self.sources: dict[int, list[int]] = {}
+        # QK fix: sources are wanted heads that write straight into the residual stream and have a
+        # later attention layer; targets are those later attention layers
+        self.sources: dict[tuple[int, str], list[int]] = {}
         if qk_fix:
             for h in heads:
-                if h.kind == "attn" and any(m > h.layer for m in attn_layers):
-                    self.sources.setdefault(h.layer, []).append(h.index)
-        first = min(self.sources, default=None)
+                if any(m > h.layer for m in attn_layers) and lm.adapter.residual_write_scale(h.layer, h.kind):
+                    self.sources.setdefault((h.layer, h.kind), []).append(h.index)
+        first = min((layer for layer, _ in self.sources), default=None)
         self.targets = [m for m in attn_layers if first is not None and m > first]
         self.means: dict[tuple[int, str], torch.Tensor] = {}  # [class, in]
-        if self.sources:  # the QK fix's partial passes stub the layers before their start
+        if self.sources:  # the query passes stub the layers before the target layer
             self.intervener.learn_layer_output_format(self.batch.input_ids)
 
     # -- inputs -----------------------------------------------------------------------------------
-    def _inputs(self, part: AnnotatedBatch, repeat: int = 1) -> dict[str, torch.Tensor]:
+    def _inputs(self, part: AnnotatedBatch) -> dict[str, torch.Tensor]:
         kwargs = model_inputs(self.model, part)
-        kwargs = {k: (v.repeat(repeat, 1) if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
         if self.keep_last:
             kwargs["logits_to_keep"] = 1
         return kwargs
@@ -196,7 +228,6 @@ class _Screen:
         for key, xs in parts.items():
             self.means[key] = class_means(torch.cat(xs), classes)  # [class, in]
         self.passes += 1
-        self.layer_rows += len(self.batch) * self.n_layers
 
     def _replacement(self, key: tuple[int, str], x: torch.Tensor, classes: dict[str, torch.Tensor]) -> torch.Tensor:
         """The ablated value of ``x`` ``[prompt, pos, in]`` everywhere (0, or the class mean)."""
@@ -213,6 +244,7 @@ class _Screen:
         xs: dict[tuple[int, str], torch.Tensor] = {}
         probs: dict[int, torch.Tensor] = {}
         hidden: dict[int, torch.Tensor] = {}
+        qk: dict[int, tuple] = {}
 
         def capture_x(key):
             def edit(x: torch.Tensor) -> torch.Tensor:
@@ -230,20 +262,27 @@ class _Screen:
 
             return edit
 
+        def capture_qk(layer):
+            def sink(query, key, mask, kwargs) -> None:
+                qk[layer] = (query, key, mask, kwargs.get("scaling"), kwargs.get("softcap"))
+
+            return sink
+
         config = PassConfig(proj_edits={k: capture_x(k) for k in self.groups})
         if self.sources:
             config.prob_edits = {m: capture_probs(m) for m in self.targets}
-            wanted = {m - 1 for m in self.targets} | set(self.sources) | {l - 1 for l in self.sources if l > 0}
-            config.layer_sinks = {i: (lambda h, i=i: hidden.__setitem__(i, h)) for i in wanted}
+            config.qk_sinks = {m: capture_qk(m) for m in self.targets}
+            config.layer_sinks = {m - 1: (lambda h, i=m - 1: hidden.__setitem__(i, h)) for m in self.targets}
+        before = self.flops.total
         with torch.enable_grad(), self.intervener.run(config):
             out = self.model(**self._inputs(part))
             total = self._metric(out.logits, part).sum()
+        self.clean_flops += self.flops.total - before
         keys = list(xs)
-        targets = [m for m in self.targets if m in probs and probs[m].requires_grad]
+        targets = [m for m in self.targets if m in probs and probs[m].requires_grad and hidden[m - 1].requires_grad]
         inputs = [xs[k] for k in keys] + [probs[m] for m in targets]
         grads = torch.autograd.grad(total, inputs, retain_graph=bool(targets), allow_unused=True)
         n = rows.stop - rows.start
-        self.layer_rows += 3 * n * self.n_layers  # forward + backward (twice a forward)
         for key, g in zip(keys, grads[: len(keys)], strict=True):
             x = xs[key].detach()
             g = torch.zeros_like(x) if g is None else g
@@ -256,78 +295,113 @@ class _Screen:
                     estimate[self.row_of[head], rows] = per_head[:, index]
         if not self.sources:
             return
-        grad_probs = dict(zip(targets, grads[len(keys):], strict=True))
-        linear: dict[int, torch.Tensor] = {}  # G_m [prompt, pos, d_model]
-        for i, m in enumerate(targets):
-            g_a = grad_probs[m]
-            if g_a is None or not hidden[m - 1].requires_grad:
-                continue
-            (g_h,) = torch.autograd.grad(probs[m], hidden[m - 1], grad_outputs=g_a,
-                                         retain_graph=i < len(targets) - 1, allow_unused=True)
-            linear[m] = torch.zeros_like(hidden[m - 1]) if g_h is None else g_h.detach()
-            self.layer_rows += 2 * n  # a backward through one layer's query/key path
-        clean_probs = {m: probs[m].detach() for m in grad_probs}
-        grad_probs = {m: g for m, g in grad_probs.items() if g is not None}
-        hidden = {i: h.detach() for i, h in hidden.items()}
-        xs.clear()  # free the graph's tensors before the partial passes
+        fixed = {m: self._target(part, m, probs[m], g, hidden[m - 1], qk[m])
+                 for m, g in zip(targets, grads[len(keys):], strict=True) if g is not None}
+        diffs = {key: (self._replacement(key, xs[key].detach(), classes) - xs[key].detach()) * where[..., None]
+                 for key in self.sources}
+        xs.clear()  # free the graph before the query passes
         probs.clear()
+        hidden.clear()
+        qk.clear()
         grads = ()
-        self._qk_fix(part, classes, where, hidden, clean_probs, grad_probs, linear, rows, estimate, correction)
+        self._qk_fix(part, diffs, fixed, rows, estimate, correction)
 
     # -- the QK fix ------------------------------------------------------------------------------------
-    def _partial(self, part: AnnotatedBatch, repeat: int, config: PassConfig, layer: int, what: str) -> torch.Tensor:
-        """Run from ``config.start_layer`` until ``layer`` has produced ``what`` (``"output"``: its hidden
-        state ``[row, pos, d_model]``; ``"probs"``: its attention probabilities ``[row, head, q, k]``), and
-        return that; nothing after it is computed."""
+    def _target(self, part: AnnotatedBatch, layer: int, probs: torch.Tensor, grad: torch.Tensor, layer_input: torch.Tensor,
+                captured: tuple) -> _Target:
+        """The clean query row of one target layer, the gradient of its scores through the keys, and
+        AtP's own first-order term for it (two short backwards through the layer's query/key path)."""
+        query, key, mask, scale, softcap = captured
+        n, n_heads = probs.shape[:2]
+        rows = torch.arange(n, device=self.device)
+        qpos = part.query_pos.to(self.device)
+        n_rep = n_heads // key.shape[1]
+        scale = float(query.shape[-1] ** -0.5 if scale is None else scale)
+        q_row = query.detach()[rows, :, qpos]  # [prompt, head, d_head]
+        keys = key.detach().repeat_interleave(n_rep, dim=1)  # [prompt, head, key, d_head]
+        raw = scale * torch.einsum("nhd,nhkd->nhk", q_row, keys)
+        row_grad = torch.zeros_like(probs)
+        row_grad[rows, :, qpos] = grad[rows, :, qpos]
+        (linear,) = torch.autograd.grad(probs, layer_input, grad_outputs=row_grad, retain_graph=True)
+        key_grad = []
+        for h in range(n_heads):  # d(scale * q_h . k_j)/d(layer input at j), the query held fixed
+            cotangent = torch.zeros_like(key)
+            cotangent[:, h // n_rep] = scale * q_row[:, h, None, :]
+            (g,) = torch.autograd.grad(key, layer_input, grad_outputs=cotangent, retain_graph=True)
+            g = g.detach().clone()
+            g[rows, qpos] = 0.0  # the query position's own key is recomputed exactly in the query pass
+            key_grad.append(g)
+        return _Target(layer=layer, probs=probs.detach()[rows, :, qpos], grad=grad.detach()[rows, :, qpos], raw=raw,
+                       keys=keys, valid=_valid_keys(mask, qpos, key.shape[2]), key_grad=torch.stack(key_grad),
+                       linear=linear.detach(), query_input=layer_input.detach()[rows, qpos], scale=scale,
+                       softcap=softcap)
+
+    def _query_pass(self, part: AnnotatedBatch, layer: int, start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries and keys that ``layer`` computes from ``start`` ``[prompt, k, d_model]``: k alternative
+        inputs at each prompt's query position, run as k tokens that all sit at that position (so the
+        model's own norm, projections, position encoding and QK norm apply); nothing after is computed."""
+        n, k = start.shape[:2]
+        qpos = part.query_pos.to(self.device)
+        rows = torch.arange(n, device=self.device)
+        token = part.input_ids.to(self.device)[rows, qpos]
+        inputs: dict[str, object] = {"input_ids": token[:, None].expand(n, k),
+                                     "attention_mask": torch.ones(n, k, dtype=torch.long, device=self.device),
+                                     "use_cache": False}
+        if self.accepts_position_ids:
+            positions = (part.attention_mask.to(self.device).cumsum(-1) - 1).clamp(min=0)[rows, qpos]
+            inputs["position_ids"] = positions[:, None].expand(n, k)
         kept: list[torch.Tensor] = []
-        sinks = config.layer_sinks if what == "output" else config.prob_sinks
-        sinks[layer] = _keep_and_stop(kept)
+
+        def sink(query, key, mask, kwargs) -> None:
+            kept.extend([query.detach(), key.detach()])
+            raise _Stop
+
+        config = PassConfig(qk_sinks={layer: sink}, start_layer=layer, start_hidden=start)
         try:
             with torch.no_grad(), self.intervener.run(config):
-                self.model(**self._inputs(part, repeat))
+                self.model(**inputs)
         except _Stop:
             pass
-        self.layer_rows += repeat * len(part) * (layer - config.start_layer + 1)
-        return kept[0]
+        return kept[0], kept[1]  # [prompt, head, k, d_head], [prompt, kv_head, k, d_head]
 
-    def _qk_fix(self, part, classes, where, hidden, clean_probs, grad_probs, linear, rows, estimate,
-                correction) -> None:
+    def _qk_fix(self, part: AnnotatedBatch, diffs: dict[tuple[int, str], torch.Tensor], fixed: dict[int, _Target],
+                rows: slice, estimate: torch.Tensor, correction: torch.Tensor | None) -> None:
         n = len(part)
-        for layer, indices in sorted(self.sources.items()):
-            group = self.inventory.group(layer, "attn")
+        prompt = torch.arange(n, device=self.device)
+        qpos = part.query_pos.to(self.device)
+        for (layer, kind), indices in sorted(self.sources.items()):
+            group = self.inventory.group(layer, kind)
+            weight = self.lm.adapter.out_proj_weight(layer, kind).detach()  # [d_model, in]
+            write = self.lm.adapter.residual_write_scale(layer, kind)
             per_pass = max(1, self.max_rows // n)
-            for start in range(0, len(indices), per_pass):
-                block = indices[start:start + per_pass]
-                k = len(block)
-                # 1. delta: exact change of layer `layer`'s output when each head of `block` is ablated
-                mask = torch.zeros(k, n, where.shape[1], group.count, dtype=torch.bool, device=self.device)
-                for a, index in enumerate(block):
-                    mask[a, :, :, index] = where
-                means = None
-                if self.method == "mean":
-                    means = self.means[(layer, "attn")][class_index(classes)]  # [prompt, pos, in]
-                edit = replace_heads(mask.view(k * n, -1, group.count), group.width, means,
-                                     torch.ones(k * n, dtype=torch.bool, device=self.device))
-                config = PassConfig(proj_edits={(layer, "attn"): edit})
-                if layer > 0:
-                    config.start_layer = layer
-                    config.start_hidden = hidden[layer - 1].repeat(k, 1, 1)
-                ablated = self._partial(part, k, config, layer, "output")  # [head * prompt, pos, d]
-                delta = ablated.view(k, n, *ablated.shape[1:]) - hidden[layer][None]  # [head, prompt, pos, d]
-                fix = torch.zeros(k, n, device=self.device)
-                # 2-3. every later attention layer's pattern from (clean input + delta), exact softmax
-                for m in self.targets:
-                    if m <= layer or m not in grad_probs:
+            for first in range(0, len(indices), per_pass):
+                block = indices[first:first + per_pass]
+                # each head's direct write into the residual stream under the ablation: [head, prompt, pos, d]
+                delta = torch.stack([write * diffs[(layer, kind)][..., group.columns(i)].float()
+                                     @ weight[:, group.columns(i)].T.float() for i in block])
+                fix = torch.zeros(len(block), n, device=self.device)
+                for m, target in fixed.items():
+                    if m <= layer:
                         continue
-                    start_hidden = (hidden[m - 1][None] + delta).reshape(k * n, *delta.shape[2:])
-                    config = PassConfig(start_layer=m, start_hidden=start_hidden)
-                    moved = self._partial(part, k, config, m, "probs")  # [head * prompt, head_m, q, k]
-                    moved = moved.view(k, n, *moved.shape[1:]).float() - clean_probs[m][None].float()
-                    exact = (moved * grad_probs[m][None].float()).sum((2, 3, 4))  # [head, prompt]
-                    first_order = (delta.float() * linear[m][None].float()).sum((2, 3)) if m in linear else 0.0
+                    # keys at every other position: first order through the key path
+                    moved = torch.einsum("knpd,hnpd->knhp", delta, target.key_grad.float())  # [head, prompt, h, key]
+                    # the query row itself: queries (and the query position's own key) exact, from the layer's code
+                    start = target.query_input[:, None].float() + delta[:, prompt, qpos].transpose(0, 1)
+                    q_new, k_new = self._query_pass(part, m, start.to(target.query_input.dtype))
+                    q_new = q_new.float()  # [prompt, h, head, d_head]
+                    k_new = k_new.float().repeat_interleave(q_new.shape[1] // k_new.shape[1], dim=1)
+                    raw_q = target.scale * torch.einsum("nhkd,nhpd->knhp", q_new, target.keys.float())
+                    own = target.scale * (q_new * k_new).sum(-1)  # [prompt, h, head]: query . own key
+                    at_query = (torch.arange(target.raw.shape[-1], device=self.device)[None] == qpos[:, None])
+                    moved = torch.where(at_query[None, :, None, :], own.permute(2, 0, 1)[..., None],
+                                        moved + raw_q) - target.raw[None].float()
+                    clean = target.pattern(target.raw.float())
+                    exact = ((target.pattern(target.raw[None].float() + moved) - clean[None])
+                             * target.grad[None].float()).sum((2, 3))  # [head, prompt]
+                    first_order = torch.einsum("knpd,npd->kn", delta, target.linear.float())
                     fix += exact - first_order
                 for a, index in enumerate(block):
-                    head = HeadId(layer, index, "attn")
+                    head = HeadId(layer, index, kind)
                     estimate[self.row_of[head], rows] += fix[a]
                     if correction is not None:
                         correction[self.row_of[head], rows] = fix[a]
@@ -342,7 +416,7 @@ def atp_effects(lm: LoadedModel, batch: AnnotatedBatch, *, heads: Sequence[HeadI
     ``scope``: position classes where the head is ablated; ``metric``: ``logit_diff`` or
     ``gold_logprob`` at the query position over the candidates' first tokens, exactly as the ablation
     engine scores (whatever the task's own scoring). Prompts are processed ``chunk_prompts`` at a time; the
-    QK fix's partial passes hold at most ``max_rows`` rows. See the module docstring for exactly
+    QK fix's query passes hold at most ``max_rows`` rows. See the module docstring for exactly
     what is approximated.
     """
     chosen = _check(lm, batch, heads, method, scope, metric, chunk_prompts)
@@ -351,14 +425,15 @@ def atp_effects(lm: LoadedModel, batch: AnnotatedBatch, *, heads: Sequence[HeadI
     chunks = [slice(s, min(s + chunk_prompts, n)) for s in range(0, n, chunk_prompts)]
     estimate = torch.zeros(len(chosen), n, device=screen.device)  # [head, prompt]
     correction = torch.zeros_like(estimate) if qk_fix else None
-    if method == "mean":
-        screen.compute_means(chunks)
-    for rows in chunks:
-        screen.run_chunk(rows, estimate, correction)
+    with screen.flops:
+        if method == "mean":
+            screen.compute_means(chunks)
+        for rows in chunks:
+            screen.run_chunk(rows, estimate, correction)
     screen.passes += 2  # the clean forward and the backward (in chunks, over the whole batch)
     return AttributionResult(
         heads=chosen, estimate=estimate.cpu(), metric=metric, method=method, scope=tuple(scope),
-        passes=screen.passes, forward_equivalents=screen.layer_rows / max(1, n * screen.n_layers),
+        passes=screen.passes, forward_equivalents=screen.flops.total / max(1, screen.clean_flops),
         qk_correction=None if correction is None else correction.cpu(),
     )
 

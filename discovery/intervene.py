@@ -9,7 +9,8 @@ Every caller (pattern capture, the ablation engine, attribution, pair tests, pla
   heads (zero / mean / any function) — the head's contribution, before heads are mixed;
 - gascan's attention function (registered with transformers' ``AttentionInterface``), which computes
   eager attention probabilities only where they are captured or edited (edge knockout) and uses the
-  model's fast path (sdpa) everywhere else;
+  model's fast path (sdpa) everywhere else; it can also hand the queries and keys it receives to a
+  sink (the attribution screen's QK fix);
 - pre-hooks on SSM mixers that hand their input to whoever asked (implicit-attention patterns and
   SSM edge knockout);
 - optional layer stubs: layers before ``start_layer`` return cached clean hidden states instead of
@@ -37,6 +38,9 @@ GASCAN_ATTENTION = "gascan"
 ProjEdit = Callable[[torch.Tensor], torch.Tensor]  # [batch, pos, in_features] -> same
 ProbEdit = Callable[[torch.Tensor], torch.Tensor]  # [batch, head, q, k] -> same
 ProbSink = Callable[[torch.Tensor], None]
+# (query [batch, head, q, d_head], key [batch, kv_head, k, d_head], attention mask, attention kwargs): the
+# states the attention function receives (after position encoding and any QK norm)
+QKSink = Callable[[torch.Tensor, torch.Tensor, Any, dict], None]
 MixerSink = Callable[[torch.Tensor, torch.Tensor | None], None]  # (hidden [batch, pos, d], mask [batch, pos])
 
 
@@ -47,6 +51,7 @@ class PassConfig:
     proj_edits: dict[tuple[int, str], ProjEdit] = field(default_factory=dict)
     prob_edits: dict[int, ProbEdit] = field(default_factory=dict)
     prob_sinks: dict[int, ProbSink] = field(default_factory=dict)
+    qk_sinks: dict[int, QKSink] = field(default_factory=dict)
     mixer_sinks: dict[int, MixerSink] = field(default_factory=dict)
     layer_sinks: dict[int, Callable[[Any], None]] = field(default_factory=dict)
     start_layer: int = 0
@@ -74,6 +79,8 @@ def _gascan_attention(module: nn.Module, query, key, value, attention_mask, **kw
     state: _State | None = getattr(module, "_gascan_state", None)
     eager = sys.modules[type(module).__module__].eager_attention_forward
     layer = state.current_layer if state is not None else None
+    if state is not None and layer in state.config.qk_sinks:
+        state.config.qk_sinks[layer](query, key, attention_mask, kwargs)
     wants_probs = state is not None and (layer in state.config.prob_edits or layer in state.config.prob_sinks)
     if not wants_probs:
         base = state.base_attention if state is not None else "sdpa"

@@ -567,6 +567,14 @@ def _top_heads_section(scan: Scan, heads: pl.DataFrame, k: int = 10) -> Section:
                   [("Zero ablation of one head; Δ = ablated − clean, mean over prompts with a 95% bootstrap "
                     "interval. Negative = the head helps the task.")])
     for task in scan.tasks:
+        screen = ((scan.summary.get("tasks") or {}).get(task) or {}).get("attribution") or {}
+        agreement = screen.get("agreement")
+        if agreement:
+            sec.paragraphs.append(
+                f"{task}: the attribution screen (AtP with the QK fix, {fmt(screen.get('forward_equivalents'))} "
+                f"forward-equivalents for every head) ranks heads like the exact sweep with Spearman "
+                f"{fmt(agreement.get('spearman'))} (on |effect| {fmt(agreement.get('spearman_abs'))}); "
+                f"recall@{agreement.get('k')} {fmt(agreement.get('recall_at_k'))}.")
         frame = heads.filter(pl.col("task") == task)
         column = next((c for c in ("d_ld_all", "d_ld_query", "atp_ld") if c in frame.columns
                        and frame[c].drop_nulls().len()), None)

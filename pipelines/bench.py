@@ -101,10 +101,12 @@ def bench_model(lm: LoadedModel, batch, heads: list[HeadId], *, max_memory_mb: f
     from discovery.attribution import atp_effects
 
     for key, label, qk_fix in (("atp", "attribution screen (AtP)", False), ("atp_qk", "AtP with the QK fix", True)):
-        atp, t_atp, m_atp = _timed(lambda q=qk_fix: atp_effects(lm, batch, heads=heads, method="zero",
-                                                               scope=("all",), qk_fix=q))
-        # compute in forward-equivalents as the screen counts it (a backward = two forwards)
-        results[key] = Measure(label, t_atp, m_atp, float(atp.forward_equivalents), None)
+        # the screen estimates every head of the model at once; its cost is its measured matmul FLOPs
+        # over those of the clean forward it runs
+        atp, t_atp, m_atp = _timed(lambda q=qk_fix: atp_effects(lm, batch, method="zero", scope=("all",), qk_fix=q))
+        results[key] = Measure(f"{label}, all {len(atp.heads)} heads", t_atp, m_atp,
+                               float(atp.forward_equivalents), None)
+        log(f"  {label}: {atp.forward_equivalents:.2f} forward-equivalents for all {len(atp.heads)} heads, {t_atp:.2f}s")
     out = {
         "model": lm.name, "n_layers": n_layers, "n_prompts": n_prompts, "positions": engine.n_positions,
         "heads": len(heads), "clean_forward_s": t_clean, "engine_setup_s": t_setup,

@@ -17,6 +17,7 @@ import polars as pl
 import torch
 
 from discovery.ablation import AblationEngine, Progress, single_head_ablations, stage_ticker
+from discovery.attribution import atp_effects, rank_agreement
 from discovery.errors import GascanError
 from discovery.heads import HeadGroup, HeadId
 from discovery.loading import LoadedModel
@@ -180,21 +181,22 @@ def scan_task(lm: LoadedModel, task_spec: str, options: ScanOptions, *, layers: 
                 columns[h][f"d_{short}_{scope_name}_lo"] = lo[i].item()
                 columns[h][f"d_{short}_{scope_name}_hi"] = hi[i].item()
 
+    screen = None
     if options.ablation in ("exact", "query", "atp"):
-        try:
-            from discovery.attribution import atp_effects
-        except ImportError:  # attribution screen not installed in this build
-            atp_effects = None
-        if atp_effects is not None:
-            if progress:
-                progress("attribution", 0, 1)
-            result = atp_effects(lm, batch, heads=heads, method="zero", scope=("all",), metric="logit_diff",
-                                 qk_fix=False)  # the cheap screen: ~3 forward-equivalents for all heads
-            estimate = result.estimate.mean(-1)
-            if progress:
-                progress("attribution", 1, 1)
-            for i, h in enumerate(result.heads):
-                columns[h]["atp_ld"] = estimate[i].item()
+        # AtP with the QK fix: every head's all-position zero-ablation effect, ~3.5 forward-equivalents
+        if progress:
+            progress("attribution", 0, 1)
+        result = atp_effects(lm, batch, heads=heads, method="zero", scope=("all",), metric="logit_diff", qk_fix=True)
+        estimate = result.estimate.mean(-1)  # [head]
+        if progress:
+            progress("attribution", 1, 1)
+        for i, h in enumerate(result.heads):
+            columns[h]["atp_ld"] = estimate[i].item()
+        screen = {"method": "AtP with the QK fix, zero ablation at all positions, logit difference",
+                  "forward_equivalents": round(result.forward_equivalents, 3), "agreement": None}
+        if options.ablation == "exact":  # the exact sweep ran on the same ablation: how well does AtP rank heads?
+            exact = torch.tensor([columns[h]["d_ld_all"] for h in result.heads])
+            screen["agreement"] = rank_agreement(estimate, exact, k=min(10, len(heads)))
 
     rows = []
     checkpoint = lm.checkpoint_hash()
@@ -207,7 +209,7 @@ def scan_task(lm: LoadedModel, task_spec: str, options: ScanOptions, *, layers: 
     frame = pl.DataFrame(rows, infer_schema_length=None)
     summary = {"task": task_spec, "options": options.options_for(task_spec), "n_prompts": len(batch),
                "clean": clean, "seconds": round(time.perf_counter() - started, 2),
-               "layer_rows": engine.layer_rows}
+               "layer_rows": engine.layer_rows, "attribution": screen}
     return frame, summary
 
 

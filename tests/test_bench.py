@@ -1,4 +1,5 @@
-"""``gascan bench``'s measurements on a tiny model: compute ratios are layer-row counts (not timings),
+"""``gascan bench``'s measurements on a tiny model: compute ratios are counted (layer rows for the
+engine, matmul FLOPs for the attribution screens), not timed;
 the engine agrees with the naive loop, and the memory verdict is reported against --max-memory."""
 from __future__ import annotations
 
@@ -24,8 +25,9 @@ def test_bench_counts_forward_equivalents_and_checks_the_memory_budget():
     assert res["ratios"]["query_vs_naive_compute"] < 0.15
     assert m["sweep_all"]["max_diff"] < 1e-4 and m["sweep_query"]["max_diff"] < 1e-4
     assert res["engine_peak_within_budget"] is True
-    assert m["atp"]["forward_equivalents"] <= 4  # the plain screen: every head from one forward + one backward
-    assert m["atp_qk"]["forward_equivalents"] >= m["atp"]["forward_equivalents"]
+    # the screens estimate every head; their cost is measured in matmul FLOPs against the clean forward's
+    assert 1.5 < m["atp"]["forward_equivalents"] <= 3  # one forward + one input-gradient backward
+    assert m["atp"]["forward_equivalents"] < m["atp_qk"]["forward_equivalents"] <= 4
     assert bench_model(lm, batch, heads[:2], log=lambda _: None)["engine_peak_within_budget"] is None
 
 

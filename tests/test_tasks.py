@@ -440,3 +440,24 @@ def test_mc_lookup_questions_name_a_word_of_the_gold_option_only():
         assert word in options[p.gold]
     again = build_task("mc", {"question": "lookup", "option_words": 2, "n": 50, "split": "test"}).prompts()
     assert [p.text for p in again] == [p.text for p in prompts]
+
+
+def test_mc_shuffled_labels_say_nothing_about_position():
+    """label_order=shuffled: each prompt draws its labels from the set in a random order; the gold
+    candidate is the label printed on the gold option, and the questions themselves do not change."""
+    fixed = build_task("mc", {"n": 200, "seed": 5}).prompts()
+    shuffled = build_task("mc", {"n": 200, "seed": 5, "label_order": "shuffled"}).prompts()
+    gold_letters, orders = [], set()
+    for f, s in zip(fixed, shuffled, strict=True):
+        assert s.meta["choices"] == f.meta["choices"] and s.gold == f.gold  # same items, same gold position
+        labels = [s.text[a:b] for a, b in s.labels]
+        assert [f" {lab}" for lab in labels] == s.candidates and len(set(labels)) == 4
+        assert set(labels) <= set("ABCDEFGHIJ")
+        gold_letters.append(labels[s.gold])
+        orders.add(tuple(labels))
+    assert len(orders) > 150  # orders vary from prompt to prompt
+    # every letter answers some question, none most of them: the letter does not give the position away
+    counts = {c: gold_letters.count(c) for c in "ABCDEFGHIJ"}
+    assert min(counts.values()) > 5 and max(counts.values()) < 40
+    with pytest.raises(TaskError, match="only 3 labels"):
+        build_task("mc", {"n": 2, "n_choices": 4, "labels": "X,Y,Z", "label_order": "shuffled"}).prompts()

@@ -10,7 +10,9 @@ from ..errors import GascanError
 from ..heads import HeadGroup, Inventory
 from .tables import ArchTable, Component, supported_model_types, table_for
 
-DEFAULT_MAMBA1_GROUPS = 32  # Mamba-1 has channels, not heads: about this many channel groups per layer
+DEFAULT_MAMBA1_GROUPS = 32
+# A layer with one of these normalises each block's output before the residual add (Gemma 2/3, OLMo 2)
+POST_NORM_MARKERS = ("post_feedforward_layernorm",)  # Mamba-1 has channels, not heads: about this many channel groups per layer
 
 
 def _resolve(root: nn.Module, path: str) -> nn.Module | None:
@@ -86,6 +88,17 @@ class Adapter:
         if type(proj).__name__ == "Conv1D":
             weight = weight.t()
         return weight
+
+    def residual_write_scale(self, layer: int, kind: str) -> float | None:
+        """The factor by which ``(layer, kind)``'s out-projection output enters the residual stream,
+        or ``None`` when it passes through a norm or another block first (no direct linear write)."""
+        comp = self.component(layer, kind)
+        module = self.layers()[layer]
+        if not comp.direct_write or any(_resolve(module, m) is not None for m in POST_NORM_MARKERS):
+            return None
+        if comp.write_scale is None:
+            return 1.0
+        return float(getattr(module, comp.write_scale))
 
     def _head_shape(self, comp: Component, mixer: nn.Module, proj: nn.Module) -> tuple[int, int]:
         in_features = int(proj.weight.shape[0] if type(proj).__name__ == "Conv1D" else proj.in_features)

@@ -21,12 +21,17 @@ class Component:
     projection whose input columns carry the heads (ablations edit that input); ``pattern`` says how
     a head's ``[query, key]`` pattern is computed: ``attention`` (softmax probabilities),
     ``mamba1`` (per-channel implicit attention) or ``mamba2`` (per-head implicit attention).
+    ``direct_write``: the out-projection's output is added to the residual stream as it is (times
+    the layer attribute ``write_scale`` names, when set), which is what the attribution screen's QK
+    fix needs to know a head's direct write; ``False`` where it passes through more computation first.
     """
 
     kind: HeadKind
     mixer: str
     out_proj: str
     pattern: str
+    direct_write: bool = True
+    write_scale: str | None = None
 
 
 @dataclass(frozen=True)
@@ -85,7 +90,8 @@ _TABLES = [
         layers="model.layers",
         final_norm="model.final_layernorm",
         components=(
-            Component("attn", "shared_transformer.self_attn", "shared_transformer.self_attn.o_proj", "attention"),
+            Component("attn", "shared_transformer.self_attn", "shared_transformer.self_attn.o_proj", "attention",
+                      direct_write=False),  # the shared block's MLP and linear sit between it and the residual
             Component("ssm", "mamba", "mamba.out_proj", "mamba2"),
             Component("ssm", "mamba_decoder.mamba", "mamba_decoder.mamba.out_proj", "mamba2"),
         ),
@@ -112,7 +118,10 @@ _TABLES = [
         ("falcon_h1",),
         layers="model.layers",
         final_norm="model.final_layernorm",
-        components=(_ATTN, Component("ssm", "mamba", "mamba.out_proj", "mamba2")),
+        components=(
+            Component("attn", "self_attn", "self_attn.o_proj", "attention", write_scale="attn_out_multiplier"),
+            Component("ssm", "mamba", "mamba.out_proj", "mamba2", write_scale="ssm_out_multiplier"),
+        ),
         description="Falcon-H1: attention and Mamba-2 side by side in every layer",
     ),
 ]

@@ -197,6 +197,10 @@ class MCTask(Task):
                                 "keyword ('fruit'; with lookup, the word itself)", str, choices=("sentence", "keyword")),
         "labels": Option("upper", "option labels: upper (A B C D), lower (a b c d), digits (1 2 3 4) "
                          "or a list X,Y,Z", str, check=_check_labels),
+        "label_order": Option("fixed", "fixed (each prompt uses the first n_choices labels in order) or "
+                              "shuffled (each prompt draws its n_choices labels from the label set in a random "
+                              "order, so the answer letter says nothing about the answer's position)", str,
+                              choices=("fixed", "shuffled")),
         "split": Option("all", "generator words: train and test are DISJOINT word lists", str,
                         choices=("train", "test", "all")),
         "option_words": Option(1, "words per generated option (1 = a word; more = a phrase "
@@ -242,9 +246,15 @@ class MCTask(Task):
                     raise TaskError(f"shots={o['shots']} but {self.path} has only {len(others)} other rows",
                                     "use fewer shots")
                 shots_for.append(shot_rng.sample(others, o["shots"]) if o["shots"] else [])
+        label_rng = random.Random(o["seed"] + 104729)  # its own stream: fixed-order prompts stay as they were
         prompts = []
         for item, shots in zip(items, shots_for):
-            p = render_mc(item, labels, template=o["template"], option_template=o["option_template"],
+            if o["label_order"] == "shuffled":
+                n_labels = max(len(x.choices) for x in [item, *shots])
+                item_labels = label_rng.sample(labels, n_labels)
+            else:
+                item_labels = labels
+            p = render_mc(item, item_labels, template=o["template"], option_template=o["option_template"],
                           shots=shots, header=o["header"])
             if self.path is not None:
                 p.meta["source"] = self.path

@@ -335,6 +335,9 @@ def train(cfg: TrainConfig, out_dir: Path | str, *, progress: bool = True, overw
                                     "subjects": admitted if cfg.curriculum_steps else None,
                                     "seconds": round(time.perf_counter() - t0, 2)})
                     bar.update(task_id, loss=f"{mean_loss:.3f}", acc=f"{acc:.3f}", unseen=_fmt(unseen))
+                    if progress and not bar.console.is_terminal:  # a log file gets a line per evaluation
+                        bar.console.print(f"step {step}/{cfg.steps}: loss {mean_loss:.3f}, test acc {acc:.3f}, "
+                                          f"unseen-word acc {_fmt(unseen)}, {elapsed:.0f} s")
                     if step in save_steps and not over_budget:
                         dest = out / CHECKPOINT_DIR / f"step-{step:06d}"
                         meta = {**meta_base, "step": step, "test_accuracy": acc,

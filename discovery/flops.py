@@ -1,0 +1,31 @@
+"""Counting the compute a piece of work really does: matrix-multiply FLOPs, forward and backward.
+
+:class:`MatmulFlops` is a dispatch mode that adds up, with PyTorch's own per-operator formulas
+(``torch.utils.flop_counter``: matmuls, linear layers, convolutions, fused attention), the FLOPs of
+every operator run inside it, including the operators autograd runs for a backward. Element-wise
+work is not counted, as usual for FLOP counts. PyTorch's ``FlopCounterMode`` would do the same but
+its module tracker breaks ``torch.autograd.grad`` on leaf tensors, which the attribution screen
+needs, so this is the bare counter without the tracker.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+
+class MatmulFlops(TorchDispatchMode):
+    """``with MatmulFlops() as counter: ...`` then ``counter.total`` (FLOPs, 2 per multiply-add)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func, types, args: tuple = (), kwargs: dict[str, Any] | None = None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = flop_registry.get(func._overloadpacket)
+        if formula is not None:
+            self.total += int(formula(*args, **kwargs, out_val=out))
+        return out
