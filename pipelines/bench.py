@@ -6,7 +6,10 @@ all-position sweep, its query-position sweep and the attribution screen are each
 clock, peak resident memory above the baseline) on the same heads and prompts, and the engine's
 effects are compared with the naive loop's (max |Δ logit diff|). Cost is reported two ways:
 wall-time ratio to the naive loop, and compute in forward-equivalents counted by the engine
-(layer-rows recomputed ÷ layers × prompts; a query-position row counts 1/positions).
+(layer-rows recomputed ÷ layers × prompts; a query-position row counts 1/positions). The
+attribution screens estimate every head of the model at once; their compute is their measured
+matmul FLOPs ÷ the clean forward's, and their ratios are to the naive loop over as many heads
+(one forward per head, timed per head on the benchmarked ones).
 """
 from __future__ import annotations
 
@@ -62,6 +65,7 @@ class Measure:
     peak_mb: float
     forward_equivalents: float | None
     max_diff: float | None
+    heads: int  # heads covered (the naive loop's cost grows with them)
 
 
 def _timed(fn: Callable[[], Any]) -> tuple[Any, float, float]:
@@ -95,8 +99,8 @@ def bench_model(lm: LoadedModel, batch, heads: list[HeadId], *, max_memory_mb: f
         fast, t_fast, m_fast = _timed(lambda abl=ablations: engine.run(abl))
         fast_cost = engine.layer_rows / unit
         diff = float((fast.logit_diff - naive.logit_diff).abs().max())
-        results[f"naive_{name}"] = Measure(f"naive loop ({name})", t_naive, m_naive, naive_cost, None)
-        results[f"sweep_{name}"] = Measure(f"engine sweep ({name})", t_fast, m_fast, fast_cost, diff)
+        results[f"naive_{name}"] = Measure(f"naive loop ({name})", t_naive, m_naive, naive_cost, None, len(heads))
+        results[f"sweep_{name}"] = Measure(f"engine sweep ({name})", t_fast, m_fast, fast_cost, diff, len(heads))
         log(f"  {name}: naive {t_naive:.2f}s, engine {t_fast:.2f}s, max |Δ| {diff:.2e}")
     from discovery.attribution import atp_effects
 
@@ -105,7 +109,7 @@ def bench_model(lm: LoadedModel, batch, heads: list[HeadId], *, max_memory_mb: f
         # over those of the clean forward it runs
         atp, t_atp, m_atp = _timed(lambda q=qk_fix: atp_effects(lm, batch, method="zero", scope=("all",), qk_fix=q))
         results[key] = Measure(f"{label}, all {len(atp.heads)} heads", t_atp, m_atp,
-                               float(atp.forward_equivalents), None)
+                               float(atp.forward_equivalents), None, len(atp.heads))
         log(f"  {label}: {atp.forward_equivalents:.2f} forward-equivalents for all {len(atp.heads)} heads, {t_atp:.2f}s")
     out = {
         "model": lm.name, "n_layers": n_layers, "n_prompts": n_prompts, "positions": engine.n_positions,
@@ -125,4 +129,6 @@ def bench_model(lm: LoadedModel, batch, heads: list[HeadId], *, max_memory_mb: f
                                         all(results[k].peak_mb <= max_memory_mb for k in ("sweep_all", "sweep_query")))
     out["ratios"]["atp_forward_equivalents_wall"] = results["atp"].seconds / t_clean
     out["ratios"]["atp_qk_forward_equivalents_wall"] = results["atp_qk"].seconds / t_clean
+    for key in ("atp", "atp_qk"):  # the naive loop costs one forward per head
+        out["ratios"][f"{key}_vs_naive_compute"] = results[key].forward_equivalents / results[key].heads
     return out
