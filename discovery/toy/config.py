@@ -45,6 +45,11 @@ class TrainConfig:
     # the start, 4-layer models stayed at chance for 2500+ steps here (train loss ln 4); with 1-2
     # subjects they learn within ~200 steps and then carry the circuit over. 0 = no curriculum.
     curriculum_steps: int = 0
+    # Auxiliary next-token loss on repeated random token sequences (the second copy is predictable only
+    # by looking back at the first: the classic route to induction/copy heads), added with this weight
+    # to every step's answer loss; a batch of ``batch_size`` sequences of 2 x ``induction_length`` tokens.
+    induction_weight: float = 0.0
+    induction_length: int = 16
     vocab_size: int = 600
     train_size: int = 20000  # prompts in the training pool (cycled in a seeded order)
     test_size: int = 256  # held-out prompts (test split: disjoint words) for accuracy during training
@@ -104,6 +109,9 @@ class TrainConfig:
         if not isinstance(self.decay_steps, int) or not 0 <= self.decay_steps <= self.steps:
             raise GascanError(f"--decay-steps must be between 0 and --steps ({self.steps}), got {self.decay_steps!r}",
                               "pass 0 (constant lr) or at most the number of steps")
+        if not self.induction_weight >= 0 or not isinstance(self.induction_length, int) or self.induction_length < 2:
+            raise GascanError("--induction-weight must be >= 0 and --induction-length a whole number >= 2",
+                              "pass e.g. --induction-weight 1 --induction-length 16")
         if not isinstance(self.curriculum_steps, int) or self.curriculum_steps < 0:
             raise GascanError(f"--curriculum-steps must be >= 0, got {self.curriculum_steps!r}",
                               "pass 0 (no curriculum) or a step count such as 200")

@@ -80,6 +80,16 @@ def answer_logits(model, input_ids: torch.Tensor, last: torch.Tensor) -> torch.T
     return model.lm_head(hidden[rows, last])  # [b, vocab]
 
 
+def induction_loss(model, cfg: TrainConfig, plain_ids: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """Next-token loss on the second copy of repeated random token sequences (tokens 2..n of the copy,
+    which only a head that looks back at the first copy can predict); ``plain_ids``: the non-special ids."""
+    n = cfg.induction_length
+    half = plain_ids[torch.randint(len(plain_ids), (cfg.batch_size, n), generator=gen)]  # [batch, n]
+    seq = torch.cat([half, half], dim=1)  # [batch, 2n]
+    logits = model(input_ids=seq).logits[:, n:-1]  # [batch, n - 1, vocab]: predicting seq[:, n+1:]
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), seq[:, n + 1:].reshape(-1))
+
+
 @torch.no_grad()
 def evaluate(model, data: Encoded, batch_size: int = 256) -> float:
     """Accuracy: argmax of the next-token logits over the candidates' first tokens."""
@@ -199,7 +209,7 @@ def command_line(cfg: TrainConfig, out: Path | str) -> str:
     parts = ["gascan", "toy", "train", "--arch", cfg.arch, "--task", cfg.task, "--seed", str(cfg.seed),
              "--out", str(out), "--steps", str(cfg.steps)]
     for name in ("batch_size", "lr", "weight_decay", "decay_steps", "init_std", "layers", "heads", "width", "mlp_ratio",
-                 "ssm_heads", "ssm_state", "vocab_size", "train_size", "test_size", "eval_every",
+                 "ssm_heads", "ssm_state", "induction_weight", "induction_length", "vocab_size", "train_size", "test_size", "eval_every",
                  "save_every", "time_budget", "threads"):
         value = getattr(cfg, name)
         if value != getattr(default, name):
@@ -265,6 +275,9 @@ def train(cfg: TrainConfig, out_dir: Path | str, *, progress: bool = True, overw
         n_params = sum(p.numel() for p in model.parameters())
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         order_gen = torch.Generator().manual_seed(cfg.seed)
+        induction_gen = torch.Generator().manual_seed(cfg.seed + 17)
+        specials = set(tokenizer.all_special_ids)
+        plain_ids = torch.tensor([i for i in range(len(tokenizer)) if i not in specials])
         gold_tokens = train_data.gold_tokens()  # [n_train]
         subject_rank = curriculum_ranks(cfg, train_prompts)  # [n_train]; the curriculum admits rank < k
         n_subjects = int(subject_rank.max()) + 1
@@ -314,6 +327,8 @@ def train(cfg: TrainConfig, out_dir: Path | str, *, progress: bool = True, overw
                 ids, last, _, _ = train_data.batch(index)
                 logits = answer_logits(model, ids, last)  # [batch, vocab]
                 loss = F.cross_entropy(logits, gold_tokens[index])
+                if cfg.induction_weight:
+                    loss = loss + cfg.induction_weight * induction_loss(model, cfg, plain_ids, induction_gen)
                 if cfg.decay_steps:
                     for group in optimizer.param_groups:
                         group["lr"] = cfg.lr_at(step)

@@ -57,6 +57,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     t.add_argument("--lr", type=float, default=2e-3)
     t.add_argument("--weight-decay", type=float, default=0.01)
     t.add_argument("--decay-steps", type=int, default=0, help="lower the lr linearly to 0 over the last N steps")
+    t.add_argument("--induction-weight", type=float, default=0.0,
+                   help="add this times a next-token loss on repeated random sequences (grows copy heads; 0 = off)")
+    t.add_argument("--induction-length", type=int, default=16, help="length of each random sequence before it repeats")
     t.add_argument("--init-std", type=float, default=0.1)
     t.add_argument("--vocab-size", type=int, default=600)
     t.add_argument("--train-size", type=int, default=20000, help="prompts in the training pool")
@@ -91,7 +94,8 @@ def config_from_args(args: argparse.Namespace):
         ssm_state=args.ssm_state,
         attn_layers=None if args.attn_layers is None else _int_list(args.attn_layers, "--attn-layers"),
         task_options=_pairs(args.task_option, "--task-option"),
-        curriculum_steps=args.curriculum_steps,
+        curriculum_steps=args.curriculum_steps, induction_weight=args.induction_weight,
+        induction_length=args.induction_length,
         vocab_size=args.vocab_size, train_size=args.train_size,
         test_size=args.test_size, eval_every=args.eval_every, save_every=args.save_every,
         save_at=_int_list(args.save_at, "--save-at"), time_budget=args.time_budget, threads=args.threads,
