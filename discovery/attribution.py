@@ -419,6 +419,9 @@ def atp_effects(lm: LoadedModel, batch: AnnotatedBatch, *, heads: Sequence[HeadI
     QK fix's query passes hold at most ``max_rows`` rows. See the module docstring for exactly
     what is approximated.
     """
+    from .loading import as_loaded
+
+    lm = as_loaded(lm)  # a LoadedModel, an nnsight LanguageModel or a transformers model
     chosen = _check(lm, batch, heads, method, scope, metric, chunk_prompts)
     screen = _Screen(lm, batch, chosen, method, scope, metric, qk_fix, max_rows)
     n = len(batch)

@@ -1,4 +1,4 @@
-"""The engine takes a gascan LoadedModel, an nnsight LanguageModel or a plain transformers model, and
+"""The engine (and the attribution screen) takes a gascan LoadedModel, an nnsight LanguageModel or a plain transformers model, and
 gives identical effects for all three (one engine, whoever wraps the model)."""
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from discovery.ablation import AblationEngine, single_head_ablations
+from discovery.attribution import atp_effects
 from discovery.errors import ModelLoadError
 from discovery.loading import as_loaded, load_model
 from discovery.tasks.base import annotate
@@ -33,6 +34,10 @@ def test_nnsight_and_transformers_models_give_identical_effects():
         assert torch.equal(other.logit_diff, reference.logit_diff)
         assert torch.equal(other.gold_logprob, reference.gold_logprob)
     assert as_loaded(wrapped).model is lm.model
+    # the attribution screen takes them too, with identical estimates
+    screen = atp_effects(lm, batch, qk_fix=True).estimate
+    for handed in (wrapped, as_loaded(lm.model, lm.tokenizer)):
+        assert torch.equal(atp_effects(handed, batch, qk_fix=True).estimate, screen)
 
 
 def test_bad_objects_are_refused_with_a_clear_error():
