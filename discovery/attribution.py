@@ -295,16 +295,21 @@ class _Screen:
                     estimate[self.row_of[head], rows] = per_head[:, index]
         if not self.sources:
             return
-        fixed = {m: self._target(part, m, probs[m], g, hidden[m - 1], qk[m])
-                 for m, g in zip(targets, grads[len(keys):], strict=True) if g is not None}
-        diffs = {key: (self._replacement(key, xs[key].detach(), classes) - xs[key].detach()) * where[..., None]
-                 for key in self.sources}
-        xs.clear()  # free the graph before the query passes
-        probs.clear()
-        hidden.clear()
-        qk.clear()
-        grads = ()
-        self._qk_fix(part, diffs, fixed, rows, estimate, correction)
+        deltas = self._direct_writes(xs, classes, where)
+        xs.clear()
+        fix = {key: torch.zeros(len(indices), n, device=self.device) for key, indices in self.sources.items()}
+        for m, g in zip(targets, grads[len(keys):], strict=True):
+            if g is not None:  # one target at a time: its key-path gradients are the screen's largest tensors
+                target = self._target(part, m, probs[m], g, hidden[m - 1], qk[m])
+                for key, delta in deltas.items():
+                    if key[0] < m:
+                        fix[key] += self._fix_for(part, target, delta)
+        for (layer, kind), indices in self.sources.items():
+            for a, index in enumerate(indices):
+                head = HeadId(layer, index, kind)
+                estimate[self.row_of[head], rows] += fix[(layer, kind)][a]
+                if correction is not None:
+                    correction[self.row_of[head], rows] = fix[(layer, kind)][a]
 
     # -- the QK fix ------------------------------------------------------------------------------------
     def _target(self, part: AnnotatedBatch, layer: int, probs: torch.Tensor, grad: torch.Tensor, layer_input: torch.Tensor,
@@ -364,47 +369,49 @@ class _Screen:
             pass
         return kept[0], kept[1]  # [prompt, head, k, d_head], [prompt, kv_head, k, d_head]
 
-    def _qk_fix(self, part: AnnotatedBatch, diffs: dict[tuple[int, str], torch.Tensor], fixed: dict[int, _Target],
-                rows: slice, estimate: torch.Tensor, correction: torch.Tensor | None) -> None:
+    def _direct_writes(self, xs: dict[tuple[int, str], torch.Tensor], classes: dict[str, torch.Tensor],
+                       where: torch.Tensor) -> dict[tuple[int, str], torch.Tensor]:
+        """Each source head's direct write into the residual stream under the ablation,
+        ``(x_ablated - x)[head] @ W_out[head]^T`` times the layer's write scale: ``[head, prompt, pos, d_model]``."""
+        out = {}
+        for key, indices in self.sources.items():
+            x = xs[key].detach()
+            diff = ((self._replacement(key, x, classes) - x) * where[..., None]).float()  # [prompt, pos, in]
+            group = self.inventory.group(*key)
+            weight = self.lm.adapter.out_proj_weight(*key).detach().float()  # [d_model, in]
+            write = self.lm.adapter.residual_write_scale(*key)
+            out[key] = torch.stack([write * diff[..., group.columns(i)] @ weight[:, group.columns(i)].T
+                                    for i in indices])
+        return out
+
+    def _fix_for(self, part: AnnotatedBatch, target: _Target, delta: torch.Tensor) -> torch.Tensor:
+        """The QK fix ``[head, prompt]`` of source heads with direct writes ``delta`` ``[head, prompt, pos, d]``
+        on one target layer's query row (see the module docstring)."""
         n = len(part)
         prompt = torch.arange(n, device=self.device)
         qpos = part.query_pos.to(self.device)
-        for (layer, kind), indices in sorted(self.sources.items()):
-            group = self.inventory.group(layer, kind)
-            weight = self.lm.adapter.out_proj_weight(layer, kind).detach()  # [d_model, in]
-            write = self.lm.adapter.residual_write_scale(layer, kind)
-            per_pass = max(1, self.max_rows // n)
-            for first in range(0, len(indices), per_pass):
-                block = indices[first:first + per_pass]
-                # each head's direct write into the residual stream under the ablation: [head, prompt, pos, d]
-                delta = torch.stack([write * diffs[(layer, kind)][..., group.columns(i)].float()
-                                     @ weight[:, group.columns(i)].T.float() for i in block])
-                fix = torch.zeros(len(block), n, device=self.device)
-                for m, target in fixed.items():
-                    if m <= layer:
-                        continue
-                    # keys at every other position: first order through the key path
-                    moved = torch.einsum("knpd,hnpd->knhp", delta, target.key_grad.float())  # [head, prompt, h, key]
-                    # the query row itself: queries (and the query position's own key) exact, from the layer's code
-                    start = target.query_input[:, None].float() + delta[:, prompt, qpos].transpose(0, 1)
-                    q_new, k_new = self._query_pass(part, m, start.to(target.query_input.dtype))
-                    q_new = q_new.float()  # [prompt, h, head, d_head]
-                    k_new = k_new.float().repeat_interleave(q_new.shape[1] // k_new.shape[1], dim=1)
-                    raw_q = target.scale * torch.einsum("nhkd,nhpd->knhp", q_new, target.keys.float())
-                    own = target.scale * (q_new * k_new).sum(-1)  # [prompt, h, head]: query . own key
-                    at_query = (torch.arange(target.raw.shape[-1], device=self.device)[None] == qpos[:, None])
-                    moved = torch.where(at_query[None, :, None, :], own.permute(2, 0, 1)[..., None],
-                                        moved + raw_q) - target.raw[None].float()
-                    clean = target.pattern(target.raw.float())
-                    exact = ((target.pattern(target.raw[None].float() + moved) - clean[None])
-                             * target.grad[None].float()).sum((2, 3))  # [head, prompt]
-                    first_order = torch.einsum("knpd,npd->kn", delta, target.linear.float())
-                    fix += exact - first_order
-                for a, index in enumerate(block):
-                    head = HeadId(layer, index, kind)
-                    estimate[self.row_of[head], rows] += fix[a]
-                    if correction is not None:
-                        correction[self.row_of[head], rows] = fix[a]
+        at_query = torch.arange(target.raw.shape[-1], device=self.device)[None] == qpos[:, None]  # [prompt, key]
+        clean = target.pattern(target.raw.float())  # [prompt, h, key]
+        per_pass = max(1, self.max_rows // n)
+        fixes = []
+        for first in range(0, len(delta), per_pass):
+            block = delta[first:first + per_pass]  # [head, prompt, pos, d]
+            # keys at every other position: first order through the key path
+            moved = torch.einsum("knpd,hnpd->knhp", block, target.key_grad.float())  # [head, prompt, h, key]
+            # the query row itself: queries (and the query position's own key) exact, from the layer's code
+            start = target.query_input[:, None].float() + block[:, prompt, qpos].transpose(0, 1)  # [prompt, head, d]
+            q_new, k_new = self._query_pass(part, target.layer, start.to(target.query_input.dtype))
+            q_new = q_new.float()  # [prompt, h, head, d_head]
+            k_new = k_new.float().repeat_interleave(q_new.shape[1] // k_new.shape[1], dim=1)
+            raw_q = target.scale * torch.einsum("nhkd,nhpd->knhp", q_new, target.keys.float())
+            own = target.scale * (q_new * k_new).sum(-1)  # [prompt, h, head]: the new query . its own new key
+            moved = torch.where(at_query[None, :, None, :], own.permute(2, 0, 1)[..., None],
+                                moved + raw_q) - target.raw[None].float()
+            exact = ((target.pattern(target.raw[None].float() + moved) - clean[None])
+                     * target.grad[None].float()).sum((2, 3))  # [head, prompt]
+            first_order = torch.einsum("knpd,npd->kn", block, target.linear.float())
+            fixes.append(exact - first_order)
+        return torch.cat(fixes)
 
 
 def atp_effects(lm: LoadedModel, batch: AnnotatedBatch, *, heads: Sequence[HeadId] | None = None,
