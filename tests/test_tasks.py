@@ -459,5 +459,8 @@ def test_mc_shuffled_labels_say_nothing_about_position():
     # every letter answers some question, none most of them: the letter does not give the position away
     counts = {c: gold_letters.count(c) for c in "ABCDEFGHIJ"}
     assert min(counts.values()) > 5 and max(counts.values()) < 40
+    mixed = build_task("mc", {"n": 200, "seed": 5, "label_order": "mixed"}).prompts()
+    in_order = sum(p.candidates == [" A", " B", " C", " D"] for p in mixed)
+    assert 70 < in_order < 130  # about half keep A-D in order, the rest are shuffled
     with pytest.raises(TaskError, match="only 3 labels"):
         build_task("mc", {"n": 2, "n_choices": 4, "labels": "X,Y,Z", "label_order": "shuffled"}).prompts()

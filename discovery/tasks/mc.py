@@ -197,10 +197,11 @@ class MCTask(Task):
                                 "keyword ('fruit'; with lookup, the word itself)", str, choices=("sentence", "keyword")),
         "labels": Option("upper", "option labels: upper (A B C D), lower (a b c d), digits (1 2 3 4) "
                          "or a list X,Y,Z", str, check=_check_labels),
-        "label_order": Option("fixed", "fixed (each prompt uses the first n_choices labels in order) or "
+        "label_order": Option("fixed", "fixed (each prompt uses the first n_choices labels in order), "
                               "shuffled (each prompt draws its n_choices labels from the label set in a random "
-                              "order, so the answer letter says nothing about the answer's position)", str,
-                              choices=("fixed", "shuffled")),
+                              "order, so the answer letter says nothing about the answer's position) or mixed "
+                              "(each prompt shuffled with probability 1/2)", str,
+                              choices=("fixed", "shuffled", "mixed")),
         "split": Option("all", "generator words: train and test are DISJOINT word lists", str,
                         choices=("train", "test", "all")),
         "option_words": Option(1, "words per generated option (1 = a word; more = a phrase "
@@ -249,7 +250,8 @@ class MCTask(Task):
         label_rng = random.Random(o["seed"] + 104729)  # its own stream: fixed-order prompts stay as they were
         prompts = []
         for item, shots in zip(items, shots_for):
-            if o["label_order"] == "shuffled":
+            shuffle = o["label_order"] == "shuffled" or (o["label_order"] == "mixed" and label_rng.random() < 0.5)
+            if shuffle:
                 n_labels = max(len(x.choices) for x in [item, *shots])
                 item_labels = label_rng.sample(labels, n_labels)
             else:
