@@ -464,3 +464,16 @@ def test_mc_shuffled_labels_say_nothing_about_position():
     assert 70 < in_order < 130  # about half keep A-D in order, the rest are shuffled
     with pytest.raises(TaskError, match="only 3 labels"):
         build_task("mc", {"n": 2, "n_choices": 4, "labels": "X,Y,Z", "label_order": "shuffled"}).prompts()
+
+
+def test_task_option_values_keep_whitespace_and_spell_newlines():
+    """A template's newlines survive the command line: values are not stripped, and \\n, \\t, \\\\
+    are read as a newline, a tab and a backslash; numbers and choices still tolerate spaces."""
+    opts = parse_task_options(["option_template={choice}: {label}\\n", "n= 3 ", "label_order=mixed ",
+                               "header=a\\\\nb\\tc"])
+    assert opts["option_template"] == "{choice}: {label}\n" and opts["header"] == "a\\nb\tc"
+    p = build_task("mc", opts).prompts()[0]
+    lines = p.text.split("\n")
+    assert len(build_task("mc", opts).prompts()) == 3
+    assert all(line.rsplit(": ", 1)[1] in "ABCDEFGHIJ" for line in lines[1:5])  # one option a line
+    assert [p.text[s:e][-1] for s, e in p.segments] == ["\n"] * 4

@@ -19,6 +19,7 @@ Token ↔ character rule (deterministic, also for tokens that straddle a boundar
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
@@ -523,7 +524,7 @@ class Option:
                     raise bad
                 out = float(value)
             else:
-                out = str(value)
+                out = str(value).strip() if self.choices is not None else str(value)
         except (TypeError, ValueError):
             raise bad from None
         if self.choices is not None and out not in self.choices:
@@ -607,22 +608,27 @@ class Task:
         return prompts
 
 
+_ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
+
+
 def parse_task_options(pairs: Iterable[str]) -> dict[str, str]:
-    """``["k=v", ...]`` (from ``--task-option``) to a dict of strings; types are parsed by the task."""
+    """``["k=v", ...]`` (from ``--task-option``) to a dict of strings; types are parsed by the task.
+
+    Values keep their whitespace (a template's newlines matter) and may spell a newline ``\\n``, a tab
+    ``\\t`` and a backslash ``\\\\``, since a shell makes literal newlines awkward."""
     out: dict[str, str] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key.strip():
             raise TaskError(f"bad task option {pair!r}: expected KEY=VALUE", "e.g. --task-option n_choices=4")
-        out[key.strip()] = value.strip()
+        out[key.strip()] = re.sub(r"\\([nt\\])", lambda m: _ESCAPES[m.group(1)], value)
     return out
 
 
 def load_task_options(path: str, task: str | None = None) -> dict[str, Any]:
     """Options from a TOML file: top-level ``key = value`` pairs, overlaid by a ``[TASK]`` table."""
-    from pathlib import Path
-
     import tomllib
+    from pathlib import Path
 
     p = Path(path)
     if not p.is_file():

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shlex
 import shutil
 import tempfile
 import time
@@ -221,7 +222,9 @@ def command_line(cfg: TrainConfig, out: Path | str) -> str:
     if cfg.curriculum_steps:
         parts += ["--curriculum-steps", str(cfg.curriculum_steps)]
     for key, value in cfg.task_options.items():
-        parts += ["--task-option", f"{key}={json.dumps(value) if not isinstance(value, str) else value}"]
+        text = value.replace("\\", "\\\\").replace("\n", "\\n").replace("\t", "\\t") if isinstance(value, str) \
+            else json.dumps(value)
+        parts += ["--task-option", shlex.quote(f"{key}={text}")]
     return " ".join(parts)
 
 

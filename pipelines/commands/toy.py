@@ -9,6 +9,7 @@ import argparse
 from pathlib import Path
 
 from discovery.errors import GascanError
+from discovery.tasks.base import parse_task_options
 
 
 def _int_list(text: str, flag: str) -> list[int]:
@@ -17,16 +18,6 @@ def _int_list(text: str, flag: str) -> list[int]:
     except ValueError:
         raise GascanError(f"{flag} {text!r} is not a comma-separated list of integers",
                           f"e.g. {flag} 1,3") from None
-
-
-def _pairs(pairs: list[str], flag: str) -> dict[str, str]:
-    options: dict[str, str] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key.strip():
-            raise GascanError(f"bad {flag} {pair!r}: expected KEY=VALUE", f"e.g. {flag} option_words=2")
-        options[key.strip()] = value.strip()
-    return options
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -93,7 +84,7 @@ def config_from_args(args: argparse.Namespace):
         heads=args.heads, width=args.width, mlp_ratio=args.mlp_ratio, ssm_heads=args.ssm_heads,
         ssm_state=args.ssm_state,
         attn_layers=None if args.attn_layers is None else _int_list(args.attn_layers, "--attn-layers"),
-        task_options=_pairs(args.task_option, "--task-option"),
+        task_options=parse_task_options(args.task_option),
         curriculum_steps=args.curriculum_steps, induction_weight=args.induction_weight,
         induction_length=args.induction_length,
         vocab_size=args.vocab_size, train_size=args.train_size,
