@@ -254,8 +254,8 @@ def test_induction_loss_grows_copy_heads():
             optimiser.zero_grad()
             loss.backward()
             optimiser.step()
-        losses.append(float(loss))
-        print(f"copy accuracy {before:.3f} -> {copy_accuracy(model):.3f}, loss {float(loss):.3f}")
+        losses.append(float(loss.detach()))
+        print(f"copy accuracy {before:.3f} -> {copy_accuracy(model):.3f}, loss {losses[-1]:.3f}")
         assert before < 0.05 and copy_accuracy(model) > 0.9
     assert losses[0] == losses[1]
     with pytest.raises(GascanError, match="--induction-weight"):
