@@ -10,9 +10,9 @@ from ..errors import GascanError
 from ..heads import HeadGroup, Inventory
 from .tables import ArchTable, Component, supported_model_types, table_for
 
-DEFAULT_MAMBA1_GROUPS = 32
+DEFAULT_MAMBA1_GROUPS = 32  # Mamba-1 has channels, not heads: about this many channel groups per layer
 # A layer with one of these normalises each block's output before the residual add (Gemma 2/3, OLMo 2)
-POST_NORM_MARKERS = ("post_feedforward_layernorm",)  # Mamba-1 has channels, not heads: about this many channel groups per layer
+POST_NORM_MARKERS = ("post_feedforward_layernorm",)
 
 
 def _resolve(root: nn.Module, path: str) -> nn.Module | None:
