@@ -329,7 +329,8 @@ def train(cfg: TrainConfig, out_dir: Path | str, *, progress: bool = True, overw
                 cursor += cfg.batch_size
                 ids, last, _, _ = train_data.batch(index)
                 logits = answer_logits(model, ids, last)  # [batch, vocab]
-                loss = F.cross_entropy(logits, gold_tokens[index])
+                answer_loss = F.cross_entropy(logits, gold_tokens[index])
+                loss = answer_loss  # the loss reported (history, progress bar) is the answer loss alone
                 if cfg.induction_weight:
                     loss = loss + cfg.induction_weight * induction_loss(model, cfg, plain_ids, induction_gen)
                 if cfg.decay_steps:
@@ -341,7 +342,7 @@ def train(cfg: TrainConfig, out_dir: Path | str, *, progress: bool = True, overw
                     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
                 optimizer.step()
                 step += 1
-                recent = (recent + [float(loss.detach())])[-cfg.eval_every:]
+                recent = (recent + [float(answer_loss.detach())])[-cfg.eval_every:]
                 elapsed = time.perf_counter() - t0
                 over_budget = cfg.time_budget is not None and elapsed >= cfg.time_budget
                 if step % cfg.eval_every == 0 or step in save_steps or step == cfg.steps or over_budget:
