@@ -138,11 +138,15 @@ class _Target:
     raw: torch.Tensor  # [prompt, head, key] scaled scores before soft-capping (log-probs up to a constant)
     keys: torch.Tensor  # [prompt, head, key, d_head] keys as the attention function saw them, per query head
     valid: torch.Tensor  # [prompt, key] bool: the keys the query row may read
+    at_query: torch.Tensor  # [prompt, key] bool: True at each prompt's query position
     key_grad: torch.Tensor  # [head, prompt, pos, d_model] d(raw on the query row)/d(layer input) via the keys
     linear: torch.Tensor  # [prompt, pos, d_model] d<grad, probs>/d(layer input): AtP's first order on this row
     query_input: torch.Tensor  # [prompt, d_model] the layer's clean input at the query position
     scale: float
     softcap: float | None
+
+    def __post_init__(self) -> None:
+        self.clean = self.pattern(self.raw.float())  # [prompt, head, key]: the row the scores above give
 
     def pattern(self, raw: torch.Tensor) -> torch.Tensor:
         """Softmax of ``raw`` ``[..., prompt, head, key]`` after the model's soft-capping, on the valid keys."""
@@ -173,9 +177,7 @@ class _Screen:
         self.max_rows = max_rows
         self.intervener = Intervener(lm.adapter)
         self.left = batch.padding_side == "left"
-        signature = inspect.signature(self.model.forward).parameters
-        self.keep_last = self.left and "logits_to_keep" in signature
-        self.accepts_position_ids = "position_ids" in signature
+        self.keep_last = self.left and "logits_to_keep" in inspect.signature(self.model.forward).parameters
         self.groups = sorted({(h.layer, h.kind) for h in heads})
         self.row_of = {h: i for i, h in enumerate(heads)}
         self.passes = 0
@@ -283,10 +285,11 @@ class _Screen:
         inputs = [xs[k] for k in keys] + [probs[m] for m in targets]
         grads = torch.autograd.grad(total, inputs, retain_graph=bool(targets), allow_unused=True)
         n = rows.stop - rows.start
+        diffs = {}  # ablated minus clean out-projection input at the scope's positions: [prompt, pos, in]
         for key, g in zip(keys, grads[: len(keys)], strict=True):
             x = xs[key].detach()
             g = torch.zeros_like(x) if g is None else g
-            diff = (self._replacement(key, x, classes) - x) * where[..., None]  # [prompt, pos, in]
+            diff = diffs[key] = (self._replacement(key, x, classes) - x) * where[..., None]
             group = self.inventory.group(*key)
             per_head = (diff.float() * g.float()).view(n, x.shape[1], group.count, group.width).sum((1, 3))
             for index in range(group.count):
@@ -295,8 +298,9 @@ class _Screen:
                     estimate[self.row_of[head], rows] = per_head[:, index]
         if not self.sources:
             return
-        deltas = self._direct_writes(xs, classes, where)
+        deltas = self._direct_writes(diffs)
         xs.clear()
+        diffs.clear()
         fix = {key: torch.zeros(len(indices), n, device=self.device) for key, indices in self.sources.items()}
         for m, g in zip(targets, grads[len(keys):], strict=True):
             if g is not None:  # one target at a time: its key-path gradients are the screen's largest tensors
@@ -336,10 +340,11 @@ class _Screen:
             g = g.detach().clone()
             g[rows, qpos] = 0.0  # the query position's own key is recomputed exactly in the query pass
             key_grad.append(g)
+        at_query = torch.arange(key.shape[2], device=self.device)[None] == qpos[:, None]  # [prompt, key]
         return _Target(layer=layer, probs=probs.detach()[rows, :, qpos], grad=grad.detach()[rows, :, qpos], raw=raw,
-                       keys=keys, valid=_valid_keys(mask, qpos, key.shape[2]), key_grad=torch.stack(key_grad),
-                       linear=linear.detach(), query_input=layer_input.detach()[rows, qpos], scale=scale,
-                       softcap=softcap)
+                       keys=keys, valid=_valid_keys(mask, qpos, key.shape[2]), at_query=at_query,
+                       key_grad=torch.stack(key_grad), linear=linear.detach(),
+                       query_input=layer_input.detach()[rows, qpos], scale=scale, softcap=softcap)
 
     def _query_pass(self, part: AnnotatedBatch, layer: int, start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Queries and keys that ``layer`` computes from ``start`` ``[prompt, k, d_model]``: k alternative
@@ -352,9 +357,9 @@ class _Screen:
         inputs: dict[str, object] = {"input_ids": token[:, None].expand(n, k),
                                      "attention_mask": torch.ones(n, k, dtype=torch.long, device=self.device),
                                      "use_cache": False}
-        if self.accepts_position_ids:
-            positions = (part.attention_mask.to(self.device).cumsum(-1) - 1).clamp(min=0)[rows, qpos]
-            inputs["position_ids"] = positions[:, None].expand(n, k)
+        clean = model_inputs(self.model, part)  # the clean run's position ids, when the model takes them
+        if "position_ids" in clean:
+            inputs["position_ids"] = clean["position_ids"].to(self.device)[rows, qpos][:, None].expand(n, k)
         kept: list[torch.Tensor] = []
 
         def sink(query, key, mask, kwargs) -> None:
@@ -369,14 +374,12 @@ class _Screen:
             pass
         return kept[0], kept[1]  # [prompt, head, k, d_head], [prompt, kv_head, k, d_head]
 
-    def _direct_writes(self, xs: dict[tuple[int, str], torch.Tensor], classes: dict[str, torch.Tensor],
-                       where: torch.Tensor) -> dict[tuple[int, str], torch.Tensor]:
+    def _direct_writes(self, diffs: dict[tuple[int, str], torch.Tensor]) -> dict[tuple[int, str], torch.Tensor]:
         """Each source head's direct write into the residual stream under the ablation,
         ``(x_ablated - x)[head] @ W_out[head]^T`` times the layer's write scale: ``[head, prompt, pos, d_model]``."""
         out = {}
         for key, indices in self.sources.items():
-            x = xs[key].detach()
-            diff = ((self._replacement(key, x, classes) - x) * where[..., None]).float()  # [prompt, pos, in]
+            diff = diffs[key].float()  # [prompt, pos, in]
             group = self.inventory.group(*key)
             weight = self.lm.adapter.out_proj_weight(*key).detach().float()  # [d_model, in]
             write = self.lm.adapter.residual_write_scale(*key)
@@ -390,8 +393,6 @@ class _Screen:
         n = len(part)
         prompt = torch.arange(n, device=self.device)
         qpos = part.query_pos.to(self.device)
-        at_query = torch.arange(target.raw.shape[-1], device=self.device)[None] == qpos[:, None]  # [prompt, key]
-        clean = target.pattern(target.raw.float())  # [prompt, h, key]
         per_pass = max(1, self.max_rows // n)
         fixes = []
         for first in range(0, len(delta), per_pass):
@@ -405,9 +406,9 @@ class _Screen:
             k_new = k_new.float().repeat_interleave(q_new.shape[1] // k_new.shape[1], dim=1)
             raw_q = target.scale * torch.einsum("nhkd,nhpd->knhp", q_new, target.keys.float())
             own = target.scale * (q_new * k_new).sum(-1)  # [prompt, h, head]: the new query . its own new key
-            moved = torch.where(at_query[None, :, None, :], own.permute(2, 0, 1)[..., None],
+            moved = torch.where(target.at_query[None, :, None, :], own.permute(2, 0, 1)[..., None],
                                 moved + raw_q) - target.raw[None].float()
-            exact = ((target.pattern(target.raw[None].float() + moved) - clean[None])
+            exact = ((target.pattern(target.raw[None].float() + moved) - target.clean[None])
                      * target.grad[None].float()).sum((2, 3))  # [head, prompt]
             first_order = torch.einsum("knpd,npd->kn", block, target.linear.float())
             fixes.append(exact - first_order)
