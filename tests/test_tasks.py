@@ -477,3 +477,18 @@ def test_task_option_values_keep_whitespace_and_spell_newlines():
     assert len(build_task("mc", opts).prompts()) == 3
     assert all(line.rsplit(": ", 1)[1] in "ABCDEFGHIJ" for line in lines[1:5])  # one option a line
     assert [p.text[s:e][-1] for s, e in p.segments] == ["\n"] * 4
+
+
+def test_segments_ending_in_a_space_are_summarised_by_their_own_last_word(bpe):
+    """``"{choice}: {label} "`` options: byte-level BPE attaches each trailing space to the next
+    option's first word, which must not become the previous option's summary token."""
+    opts = {"n": 8, "option_template": "{choice}: {label} ", "seed": 3}
+    prompts = build_task("mc", opts).prompts()
+    batch = annotate(prompts, bpe, padding_side="right")
+    for i, p in enumerate(prompts):
+        tokens = bpe.convert_ids_to_tokens(batch.input_ids[i].tolist())
+        for k in range(len(p.segments)):
+            label = p.text[slice(*p.labels[k])]
+            summary = int(batch.summary_pos[i, k])
+            assert tokens[summary] == f"Ġ{label}"  # the label, not the next word
+            assert int(batch.seg_end[i, k]) == summary + 1  # the next option's first word is outside

@@ -14,6 +14,9 @@ Token ↔ character rule (deterministic, also for tokens that straddle a boundar
   is the token that holds the segment's *last character* (so it decodes to the segment's last
   characters, or — if the tokenizer merged that character with the following text — to a string
   that contains them; two neighbouring segments may then share that token);
+* a segment's trailing spaces are left out of it: byte-level BPE and SentencePiece alike attach a
+  space to the word that *follows* it, so an option rendered as ``"lute: F "`` would otherwise end
+  in (and be summarised by) the next option's first word;
 * a label's token is the token holding the label's last character;
 * the **query position** is the last real token of the prompt.
 """
@@ -271,6 +274,12 @@ def _token_index_of_char(offsets: list[tuple[int, int]], char: int) -> int | Non
     return found
 
 
+def _without_trailing_spaces(text: str, start: int, end: int) -> int:
+    """``end`` moved back over the spaces that close ``text[start:end]`` (kept if it is all spaces)."""
+    trimmed = start + len(text[start:end].rstrip(" "))
+    return trimmed if trimmed > start else end
+
+
 def _span_tokens(offsets: list[tuple[int, int]], start: int, end: int) -> tuple[int, int] | None:
     """[first, last] indices of tokens overlapping characters [start, end)."""
     hits = [i for i, (s, e) in enumerate(offsets) if s < end and e > start]
@@ -351,6 +360,7 @@ def annotate(
             offsets = [(0, 0)] + offsets
         segs = []
         for k, (s, e) in enumerate(p.segments):
+            e = _without_trailing_spaces(p.text, s, e)
             span = _span_tokens(offsets, s, e)
             summary = _token_index_of_char(offsets, e - 1)
             if span is None or summary is None:
