@@ -10,12 +10,18 @@ depend on the classifier it is used to train and test:
   logit difference (or ``break_acc`` accuracy);
 - it *aggregates* when it breaks the task, its effect lives at the query position (at least half the
   break threshold there) and its query attends selectively to the gold segment (``agg_select``);
+- heads that share that work redundantly (a toy with several heads copying the gold label) each fall
+  short of the break threshold, so they are tested as a *set*: every head that attends selectively,
+  costs at least ``set_fraction`` of the clean logit difference at the query on its own and does not
+  break the task alone is ablated together at the query position; if that joint ablation breaks the
+  task, each of them aggregates (``aggregate_set`` records the set and its joint effect);
 - it *gathers* when it breaks the task, its effect lives at the segment positions, its summary tokens
   attend within their own segment (``gather_score``), and a later aggregate head loses selectivity
   when it is ablated (the pair is then *confirmed*).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -37,6 +43,7 @@ class TruthRules:
     agg_select: float = 0.5
     gather_score: float = 0.3
     interaction_drop: float = 0.2
+    set_fraction: float = 0.05
 
 
 def _metric_table(lm: LoadedModel, batch: AnnotatedBatch, edits_for=None, layers=None) -> dict[HeadId, dict[str, float]]:
@@ -77,14 +84,16 @@ def ground_truth(lm: LoadedModel, batch: AnnotatedBatch, rules: TruthRules = Tru
         row = {"layer": h.layer, "head": h.index, "kind": h.kind,
                **{f"d_ld_{s}": float(effects[s]["ld"][i]) for s in effects},
                **{f"d_acc_{s}": float(effects[s]["acc"][i]) for s in effects},
-               **{k: (None if v != v else float(v)) for k, v in m.items()}}
+               **{k: (None if math.isnan(v) else float(v)) for k, v in m.items()}}
         breaks = row["d_ld_all"] <= -threshold or row["d_acc_all"] <= -rules.break_acc
         row["breaks_task"] = bool(breaks)
+        row["aggregate_set_member"] = False
         row["aggregate"] = bool(breaks and row["d_ld_query"] <= -threshold / 2
                                 and (row.get("agg_select") or 0.0) >= rules.agg_select)
         row["gather_candidate"] = bool(breaks and row["d_ld_segment"] <= -threshold / 2
                                        and (row.get("gather_score") or 0.0) >= rules.gather_score)
         rows.append(row)
+    aggregate_set = _redundant_aggregates(engine, heads, rows, clean_ld, threshold, rules)
     aggregates = [HeadId(r["layer"], r["head"], r["kind"]) for r in rows if r["aggregate"]]
     pairs = []
     for r in rows:
@@ -110,6 +119,8 @@ def ground_truth(lm: LoadedModel, batch: AnnotatedBatch, rules: TruthRules = Tru
     others = [r for r in rows if r["role"] not in ("gather", "aggregate")]
     weakest = max((r["d_ld_all"] for r in labelled), default=None)  # least negative effect among G&A heads
     strongest_other = min((r["d_ld_all"] for r in others), default=None)
+    # heads whose ablation costs at least set_fraction anywhere: the ones a pattern margin is taken against
+    matter = [r for r in rows if r["d_ld_all"] <= -rules.set_fraction * abs(clean_ld)]
     return {
         "clean": {"acc": clean_acc, "logit_diff": clean_ld, "n_prompts": len(batch)},
         "rules": asdict(rules),
@@ -119,5 +130,45 @@ def ground_truth(lm: LoadedModel, batch: AnnotatedBatch, rules: TruthRules = Tru
         "margin": None if weakest is None or strongest_other is None else {
             "weakest_ga_effect": weakest, "strongest_other_effect": strongest_other,
             "ratio": (weakest / strongest_other) if strongest_other < 0 else None},
+        "pattern_margin": {
+            "aggregate": _pattern_margin(rows, matter, "aggregate", "agg_select"),
+            "gather": _pattern_margin(rows, matter, "gather", "gather_score"),
+        },
+        "aggregate_set": aggregate_set,
         "heads": rows,
     }
+
+
+def _redundant_aggregates(engine: AblationEngine, heads: list[HeadId], rows: list[dict[str, Any]], clean_ld: float,
+                          threshold: float, rules: TruthRules) -> dict[str, Any] | None:
+    """The joint query-position test of selective heads that each fall short of breaking the task.
+
+    Marks the set's rows ``aggregate`` when ablating them together breaks the task; returns the set
+    and its joint effect (None when there are fewer than two such heads).
+    """
+    members = [i for i, r in enumerate(rows)
+               if not r["aggregate"] and (r.get("agg_select") or 0.0) >= rules.agg_select
+               and r["d_ld_query"] <= -rules.set_fraction * abs(clean_ld)]
+    if len(members) < 2:
+        return None
+    joint = engine.effects([Ablation(tuple(heads[i] for i in members), "zero", ("query",))])
+    joint_ld, joint_acc = float(joint.logit_diff.mean()), float(joint.acc.mean())
+    breaks = joint_ld <= -threshold or joint_acc <= -rules.break_acc
+    for i in members:
+        rows[i]["aggregate"] = rows[i]["aggregate"] or breaks
+        rows[i]["aggregate_set_member"] = True
+    return {"heads": [heads[i].as_dict() for i in members], "d_ld_query_joint": joint_ld,
+            "d_acc_query_joint": joint_acc, "breaks_task": bool(breaks)}
+
+
+def _pattern_margin(rows: list[dict[str, Any]], matter: list[dict[str, Any]], role: str,
+                    metric: str) -> dict[str, Any] | None:
+    """The role's defining pattern metric: its weakest labelled head against the strongest other head
+    among those whose ablation matters (None when the role is empty)."""
+    labelled = [r.get(metric) or 0.0 for r in rows if r["role"] == role]
+    if not labelled:
+        return None
+    others = [r.get(metric) or 0.0 for r in matter if r["role"] != role]
+    strongest = max(others, default=None)
+    return {"metric": metric, "weakest_labelled": min(labelled), "strongest_other": strongest,
+            "difference": None if strongest is None else min(labelled) - strongest}

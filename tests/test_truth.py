@@ -17,7 +17,7 @@ def test_truth_names_the_planted_pair_and_no_decoy(circuit):
     batch = annotate(planted_prompts(16), circuit.lm.tokenizer, padding_side="left")
     truth = ground_truth(circuit.lm, batch)
     assert truth["clean"]["acc"] == 1.0
-    as_tuple = lambda d: (d["layer"], d["head"])  # noqa: E731
+    as_tuple = lambda d: (d["layer"], d["head"])
     assert [as_tuple(g) for g in truth["gather"]] == [(circuit.gather.layer, circuit.gather.index)]
     assert [as_tuple(a) for a in truth["aggregate"]] == [(circuit.aggregate.layer, circuit.aggregate.index)]
     confirmed = [p for p in truth["pairs"] if p["confirmed"]]
@@ -38,7 +38,7 @@ def test_scan_ranks_the_planted_heads_first(tmp_path):
     options = ScanOptions(tasks=[f"jsonl:{task}"], ablation="exact", prompts=16, bootstrap=200)
     frame, summary = scan_task(circuit.lm, f"jsonl:{task}", options)
     assert summary["clean"]["acc"] == 1.0
-    key = lambda row: (row["layer"], row["head"])  # noqa: E731
+    key = lambda row: (row["layer"], row["head"])
     top_gather = frame.sort("gather_score", descending=True).row(0, named=True)
     top_aggregate = frame.sort("agg_focus", descending=True).row(0, named=True)
     assert key(top_gather) == (circuit.gather.layer, circuit.gather.index)
@@ -51,3 +51,26 @@ def test_scan_ranks_the_planted_heads_first(tmp_path):
     assert agg["d_ld_query"] < 0.5 * agg["d_ld_all"]
     assert abs(gat["d_ld_query"]) < 0.1 * abs(gat["d_ld_all"])
     assert agg["d_ld_all_hi"] < 0  # the bootstrap interval excludes zero
+
+
+def test_truth_finds_redundant_aggregate_copies_as_a_set():
+    """Three copies of the aggregate head: none breaks the task alone, ablating them together at the
+    query does, so all three aggregate (and the gather head is confirmed against them); the decoys,
+    selective but without effect, stay out of the set."""
+    circuit = planted_model(aggregate_copies=3)
+    batch = annotate(planted_prompts(16), circuit.lm.tokenizer, padding_side="left")
+    truth = ground_truth(circuit.lm, batch)
+    as_tuple = lambda d: (d["layer"], d["head"])
+    copies = {(h.layer, h.index) for h in [circuit.aggregate, *circuit.copies]}
+    assert len(copies) == 3
+    rows = {(r["layer"], r["head"]): r for r in truth["heads"]}
+    assert not any(rows[c]["breaks_task"] for c in copies)  # each alone falls short
+    assert {as_tuple(a) for a in truth["aggregate"]} == copies
+    group = truth["aggregate_set"]
+    assert {as_tuple(h) for h in group["heads"]} == copies and group["breaks_task"]
+    assert group["d_ld_query_joint"] <= -truth["rules"]["break_fraction"] * truth["clean"]["logit_diff"]
+    assert [as_tuple(g) for g in truth["gather"]] == [(circuit.gather.layer, circuit.gather.index)]
+    for decoy in circuit.decoys.values():
+        assert rows[(decoy.layer, decoy.index)]["role"] == "none"
+    margin = truth["pattern_margin"]["aggregate"]
+    assert margin["weakest_labelled"] > margin["strongest_other"] + 0.3

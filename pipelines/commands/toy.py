@@ -131,9 +131,30 @@ def run_truth(args: argparse.Namespace) -> int:
     truth.update({"model": lm.name, "task": task, "task_options": options, "checkpoint": lm.checkpoint_hash()})
     target = Path(args.out) if args.out else Path(lm.files[0]).parent / "truth.json"
     write_json(target, truth)
-    clean = truth["clean"]
-    console.print(f"clean accuracy {clean['acc']:.3f}, logit diff {clean['logit_diff']:.3f}; "
-                  f"gather {truth['gather']}, aggregate {truth['aggregate']}; "
-                  f"confirmed pairs {[p for p in truth['pairs'] if p['confirmed']]}; margin {truth['margin']}")
+    console.print(truth_summary(truth))
     console.print(f"wrote {target}")
     return 0
+
+
+def truth_summary(truth: dict) -> str:
+    """The labels of a ``truth.json`` in a few readable lines."""
+    def name(d: dict) -> str:
+        return f"L{d['layer']}H{d['head']}"
+
+    clean = truth["clean"]
+    pairs = [f"{name(p['gather'])}->{name(p['aggregate'])} (agg_select {p['agg_select_clean']:.2f} -> "
+             f"{p['agg_select_without_gather']:.2f})" for p in truth["pairs"] if p["confirmed"]]
+    lines = [f"clean accuracy {clean['acc']:.3f}, logit diff {clean['logit_diff']:.3f}",
+             f"gather: {', '.join(map(name, truth['gather'])) or 'none'}",
+             f"aggregate: {', '.join(map(name, truth['aggregate'])) or 'none'}",
+             f"confirmed pairs: {', '.join(pairs) or 'none'}"]
+    group = truth.get("aggregate_set")
+    if group:
+        lines.append(f"redundant aggregate set {', '.join(map(name, group['heads']))}: joint query ablation "
+                     f"{group['d_ld_query_joint']:+.2f} logit diff ({'breaks' if group['breaks_task'] else 'does not break'} the task)")
+    for role, m in (truth.get("pattern_margin") or {}).items():
+        if m:
+            other = "none" if m["strongest_other"] is None else f"{m['strongest_other']:.3f}"
+            lines.append(f"{role} margin on {m['metric']}: weakest {role} {m['weakest_labelled']:.3f}, "
+                         f"strongest other head that matters {other}")
+    return "\n".join(lines)
