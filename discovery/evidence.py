@@ -120,6 +120,13 @@ def _num(value: Any) -> float | None:
     return None if math.isnan(value) or math.isinf(value) else value
 
 
+def _direct_change(drop: float | None) -> str:
+    """A reader's relative direct-effect drop in words ("direct effect falls 19%")."""
+    if drop is None:
+        return "direct effect n/a"
+    return f"direct effect {'falls' if drop >= 0 else 'rises'} {abs(drop):.0%}"
+
+
 def _fmt(value: float | None, digits: int = 2) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}"
 
@@ -799,7 +806,7 @@ def _evidence_text(v: Mapping[str, Any], th: EvidenceThresholds, clean_ld: float
     if v["credits"]:
         parts.append("needed by group " + ", ".join(v["credits"]))
     if v.get("readers"):
-        parts.append("read by " + ", ".join(f"{r['reader']} (direct effect -{_fmt(r['dla_drop'])}, "
+        parts.append("read by " + ", ".join(f"{r['reader']} ({_direct_change(r['dla_drop'])}, "
                                             f"selectivity {_fmt(r['select_clean'])}->{_fmt(r['select_ablated'])})"
                                             for r in v["readers"]))
     if v["role"] == "decoy":

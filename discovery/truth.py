@@ -43,7 +43,7 @@ class TruthRules:
     agg_select: float = 0.5
     gather_score: float = 0.3
     interaction_drop: float = 0.2
-    set_fraction: float = 0.05
+    set_fraction: float = 0.02
 
 
 def _metric_table(lm: LoadedModel, batch: AnnotatedBatch, edits_for=None, layers=None) -> dict[HeadId, dict[str, float]]:

@@ -1,6 +1,6 @@
 """Negative fixtures (issue: evidence standards): trained toy models without a clean G&A circuit.
 
-``mc1-transformer`` (single-word options) and the bundled ``mc-transformer`` (three-word options) solve
+``mc1-transformer`` (single-word options) and ``mc3-transformer`` (three-word options) solve
 their task (≥ 0.96 accuracy) with heads at the option tokens and query heads that spread their
 attention; heads with a G&A-like pattern and no effect sit among them. The full scan (patterns, exact
 sweep, evidence, pairs, report) must name those heads ``decoy``, say "no G&A", and report no confident
@@ -18,7 +18,7 @@ from discovery.toy import bundled_model_path
 from pipelines.cli import main
 
 # model -> the decoys its committed scan names (pattern without effect)
-FIXTURES = {"mc1-transformer": {"L3H1"}, "mc-transformer": {"L3H3"}}
+FIXTURES = {"mc1-transformer": {"L3H1"}, "mc3-transformer": {"L3H3"}}
 
 
 @pytest.fixture(scope="module", params=sorted(FIXTURES))

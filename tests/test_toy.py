@@ -175,16 +175,39 @@ def _size(path: Path) -> int:
 
 
 def test_bundled_model_is_accurate_on_a_fresh_test_split():
-    """The bundled default: category questions with three-word options, >= 95% on new prompts."""
+    """The bundled default: category questions with two-word options, half of them with shuffled
+    labels (the letter must be read from the chosen option), >= 95% on new prompts."""
     path = bundled_model_path()
     meta = json.loads((path / "training.json").read_text())
     assert meta["task"] == "mc" and meta["arch"] == "transformer"
     assert int(meta["task_options"]["option_words"]) >= 2 and "question" not in meta["task_options"]
+    assert meta["task_options"]["label_order"] == "mixed"
     assert _fresh_accuracy(path) >= 0.95  # chance is 0.25
     assert _size(path) <= 20e6 and (path / "model.safetensors").stat().st_size <= 5e6
     assert not [p for p in path.rglob("*") if p.suffix in (".bin", ".pt", ".pkl", ".pth")]
     truth = json.loads((path / "truth.json").read_text())
     assert truth["clean"]["acc"] >= 0.95 and len(truth["heads"]) == 16
+
+
+def test_bundled_model_truth_has_a_gather_head_feeding_aggregate_heads(tmp_path, capsys):
+    """Recomputed ground truth of the bundled default on new prompts: one gather head in an earlier
+    layer than every aggregate head, confirmed by the interaction test, and each role clear of the
+    other heads that matter on its own pattern metric."""
+    from pipelines.cli import main
+
+    out = tmp_path / "truth.json"
+    assert main(["toy", "truth", "bundled:mc-transformer", "--prompts", "64", "--seed", "11", "--out", str(out)]) == 0
+    truth = json.loads(out.read_text())
+    assert truth["clean"]["acc"] >= 0.95
+    gathers = [(g["layer"], g["head"]) for g in truth["gather"]]
+    aggregates = [(a["layer"], a["head"]) for a in truth["aggregate"]]
+    assert gathers == [(1, 0)] and len(aggregates) >= 2
+    assert all(layer > 1 for layer, _ in aggregates)  # gather layer before the aggregate layers
+    confirmed = [p for p in truth["pairs"] if p["confirmed"]]
+    assert confirmed and all(p["agg_select_without_gather"] < p["agg_select_clean"] - 0.2 for p in confirmed)
+    margins = truth["pattern_margin"]
+    assert margins["gather"]["difference"] >= 0.5 and margins["aggregate"]["difference"] >= 0.5
+    assert "gather: L1H0" in capsys.readouterr().err
 
 
 def test_bundled_checkpoint_series_climbs_from_chance():
