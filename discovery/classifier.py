@@ -394,7 +394,8 @@ def pair_prior(frame: pl.DataFrame, p_gather: np.ndarray, p_aggregate: np.ndarra
 def leave_one_model_out(labelled: pl.DataFrame, *, threshold: float = 0.5, c: float = 1.0) -> pl.DataFrame:
     """Train on every labelled model but one, score the held-out one; one row per held-out model/task.
 
-    Columns: precision/recall per role at ``threshold``, the rank of the best true head of each role
+    Columns: precision/recall and false positives per role at ``threshold`` (on a model without G&A,
+    every positive is false), the rank of the best true head of each role
     (1 = ranked first), and whether a true (gather, aggregate) pair is among the top 3 pairs by P(g)·P(a).
     """
     models = labelled.select("model", "checkpoint").unique(maintain_order=True).rows()
@@ -417,6 +418,7 @@ def leave_one_model_out(labelled: pl.DataFrame, *, threshold: float = 0.5, c: fl
                 tp = int((pred & true).sum())
                 row[f"{role}_precision"] = tp / int(pred.sum()) if pred.sum() else None
                 row[f"{role}_recall"] = tp / int(true.sum()) if true.sum() else None
+                row[f"{role}_false_positives"] = int((pred & ~true).sum())
                 order = np.argsort(-probs[role])
                 ranks = [int(np.nonzero(order == i)[0][0]) + 1 for i in np.nonzero(true)[0]]
                 row[f"{role}_best_rank"] = min(ranks) if ranks else None

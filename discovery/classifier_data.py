@@ -65,7 +65,8 @@ def build_planted_set(out_root: str | Path, *, prompts: int = 32, variants: Sequ
 
 def labels_from_truth(path: str | Path, model: str | None = None) -> list[dict[str, Any]]:
     """Label records from a ``truth.json``: ``{"labels": [...]}`` or ``{"gather": [...], "aggregate": [...]}``
-    (heads as ``{layer, head, kind}``); ``model`` defaults to the file's ``model`` or its directory name."""
+    (heads as ``{layer, head, kind}``), plus ``role: none`` for every other head its ``heads`` list tested;
+    ``model`` defaults to the file's ``model`` or its directory name."""
     p = Path(path)
     data = json.loads(p.read_text(encoding="utf-8"))
     name = model or data.get("model") or p.parent.name
@@ -77,8 +78,17 @@ def labels_from_truth(path: str | Path, model: str | None = None) -> list[dict[s
             out.append({"model": name, "layer": int(head["layer"]), "head": int(head.get("head", head.get("index"))),
                         "kind": head.get("kind", "attn"), "role": role,
                         **({"checkpoint": data["checkpoint"]} if data.get("checkpoint") else {})})
+    # an exhaustive truth (``gascan toy truth``) lists every head it tested: the others are known
+    # negatives, so a model without G&A (a negative fixture) still counts as labelled
+    labelled = {(r["layer"], r["head"], r["kind"]) for r in out}
+    for head in data.get("heads") or []:
+        key = (int(head["layer"]), int(head["head"]), head.get("kind", "attn"))
+        if key not in labelled:
+            out.append({"model": name, "layer": key[0], "head": key[1], "kind": key[2], "role": "none",
+                        **({"checkpoint": data["checkpoint"]} if data.get("checkpoint") else {})})
     if not out:
-        raise GascanError(f"{p} names no gather or aggregate heads", "regenerate it with `gascan toy truth`")
+        raise GascanError(f"{p} names no gather or aggregate heads and lists no tested heads",
+                          "regenerate it with `gascan toy truth`")
     return out
 
 
@@ -116,9 +126,14 @@ def labels_for_dirs(dirs: Sequence[str | Path]) -> list[dict[str, Any]]:
         scan = read_scan(d)
         name = str(scan.summary.get("model"))
         candidates = [Path(d) / "truth.json"]
-        spec = scan.summary.get("spec")
-        if spec and Path(str(spec)).is_dir():
-            candidates.append(Path(str(spec)) / "truth.json")
+        spec = str(scan.summary.get("spec") or "")
+        if spec and Path(spec).is_dir():
+            candidates.append(Path(spec) / "truth.json")
+        elif spec.startswith("bundled:"):  # a bundled toy carries its truth.json
+            from .toy import BUNDLED_NAMES, bundled_model_path
+
+            if spec.removeprefix("bundled:") in BUNDLED_NAMES:
+                candidates.append(bundled_model_path(spec.removeprefix("bundled:")) / "truth.json")
         found = next((c for c in candidates if c.is_file()), None)
         if found is not None:
             checkpoint = scan.summary.get("checkpoint")

@@ -180,9 +180,15 @@ def test_cli_train_eval_and_bad_labels(tmp_path, capsys):
 def test_shipped_training_rows_evaluate_leave_one_model_out(capsys):
     assert main(["classifier", "eval", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert len(rows) >= 8
-    assert all(r["aggregate_best_rank"] == 1 and r["gather_best_rank"] == 1 for r in rows)
-    assert all(r["pair_in_top3"] for r in rows)
+    with_ga = [r for r in rows if r["aggregate_best_rank"] is not None]
+    assert len(with_ga) >= 9  # the planted circuits and the bundled toy
+    assert all(r["aggregate_best_rank"] == 1 and r["gather_best_rank"] == 1 for r in with_ga)
+    assert all(r["pair_in_top3"] for r in with_ga)
+    toy = next(r for r in rows if r["model"] == "bundled:mc-transformer")
+    assert toy["aggregate_best_rank"] == 1 and toy["pair_in_top3"]
+    negatives = [r for r in rows if r["model"] in ("bundled:mc1-transformer", "bundled:mc3-transformer")]
+    assert len(negatives) == 2  # models without G&A: every positive would be false
+    assert all(r["gather_false_positives"] == 0 and r["aggregate_false_positives"] == 0 for r in negatives)
     meta = load_classifier().meta["leave_one_model_out"]
     assert meta["aggregate_top1"] == 1.0 and meta["pair_in_top3"] == 1.0
 
@@ -198,6 +204,14 @@ def test_labels_from_ground_truth_files(tmp_path):
     labels = labels_from_truth(path)
     assert [(r["model"], r["layer"], r["head"], r["role"]) for r in labels] == [
         ("toy-model", 1, 2, "gather"), ("toy-model", 2, 1, "aggregate")]
+    # an exhaustive truth also lists the heads it tested: the rest become known negatives
+    truth["heads"] = [{"layer": layer, "head": head, "kind": "attn"} for layer in range(3) for head in range(3)]
+    path.write_text(json.dumps(truth))
+    roles = {(r["layer"], r["head"]): r["role"] for r in labels_from_truth(path)}
+    assert len(roles) == 9 and roles[(1, 2)] == "gather" and roles[(2, 1)] == "aggregate"
+    assert sum(role == "none" for role in roles.values()) == 7
+    path.write_text(json.dumps({**truth, "gather": [], "aggregate": []}))  # a model without G&A
+    assert {r["role"] for r in labels_from_truth(path)} == {"none"}
     # the table-only fallback finds the planted roles of a synthetic scan and nothing else
     frame = synthetic_heads("s", gather=(2, 1), aggregate=(3, 2), decoy=(1, 3), clean_ld=4.0)
     derived = derive_truth(frame, 4.0)

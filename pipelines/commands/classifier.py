@@ -107,7 +107,9 @@ def _lomo_summary(lomo) -> dict:
     for role in ("gather", "aggregate"):
         out[f"{role}_precision"] = lomo[f"{role}_precision"].mean()
         out[f"{role}_recall"] = lomo[f"{role}_recall"].mean()
-        out[f"{role}_top1"] = float((lomo[f"{role}_best_rank"] == 1).mean())
+        out[f"{role}_top1"] = float(lomo.filter(pl.col(f"{role}_best_rank").is_not_null())[f"{role}_best_rank"]
+                                    .eq(1).mean() or 0.0)
+        out[f"{role}_false_positives"] = int(lomo[f"{role}_false_positives"].sum())
     out["pair_in_top3"] = float(lomo.filter(pl.col("pair_in_top3").is_not_null())["pair_in_top3"].mean() or 0.0)
     return out
 
@@ -118,9 +120,10 @@ def _print_lomo(lomo) -> None:
     from rich.table import Table
 
     table = Table(title="leave-one-model-out (precision and recall at the threshold; rank of the best true head)")
-    cols = ["model", "task", "heads", "gather_precision", "gather_recall", "gather_best_rank",
-            "aggregate_precision", "aggregate_recall", "aggregate_best_rank", "pair_in_top3"]
-    short = ["model", "task", "heads", "G prec", "G rec", "G rank", "A prec", "A rec", "A rank", "pair in top 3"]
+    cols = ["model", "task", "heads", "gather_precision", "gather_recall", "gather_best_rank", "gather_false_positives",
+            "aggregate_precision", "aggregate_recall", "aggregate_best_rank", "aggregate_false_positives", "pair_in_top3"]
+    short = ["model", "task", "heads", "G prec", "G rec", "G rank", "G FP", "A prec", "A rec", "A rank", "A FP",
+             "pair in top 3"]
     for c in short:
         table.add_column(c)
     for r in lomo.iter_rows(named=True):
