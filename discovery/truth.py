@@ -12,12 +12,15 @@ depend on the classifier it is used to train and test:
   break threshold there) and its query attends selectively to the gold segment (``agg_select``);
 - heads that share that work redundantly (a toy with several heads copying the gold label) each fall
   short of the break threshold, so they are tested as a *set*: every head that attends selectively,
-  costs at least ``set_fraction`` of the clean logit difference at the query on its own and does not
-  break the task alone is ablated together at the query position; if that joint ablation breaks the
-  task, each of them aggregates (``aggregate_set`` records the set and its joint effect);
+  costs at least ``set_fraction`` of the clean logit difference at the query on its own and is not an
+  aggregate head by the rule above is ablated together at the query position; if that joint ablation
+  breaks the task, each of them aggregates (``aggregate_set`` records the set and its joint effect);
 - it *gathers* when it breaks the task, its effect lives at the segment positions, its summary tokens
   attend within their own segment (``gather_score``), and a later aggregate head loses selectivity
   when it is ablated (the pair is then *confirmed*).
+
+``pattern_margin`` compares each role's weakest head on its defining metric (``agg_select``,
+``gather_score``) with the strongest other head whose ablation costs at least ``set_fraction``.
 """
 from __future__ import annotations
 
@@ -155,7 +158,7 @@ def _redundant_aggregates(engine: AblationEngine, heads: list[HeadId], rows: lis
     joint_ld, joint_acc = float(joint.logit_diff.mean()), float(joint.acc.mean())
     breaks = joint_ld <= -threshold or joint_acc <= -rules.break_acc
     for i in members:
-        rows[i]["aggregate"] = rows[i]["aggregate"] or breaks
+        rows[i]["aggregate"] = breaks
         rows[i]["aggregate_set_member"] = True
     return {"heads": [heads[i].as_dict() for i in members], "d_ld_query_joint": joint_ld,
             "d_acc_query_joint": joint_acc, "breaks_task": bool(breaks)}
