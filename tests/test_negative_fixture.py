@@ -50,6 +50,7 @@ def test_pattern_without_effect_is_a_decoy_and_no_pair_is_confident(scanned):
             assert roles.get(f"L{r['layer']}H{r['head']}") == "decoy", r
     assert patterned_without_effect >= 1
     assert not any(p.get("confident") for p in summary["top_pairs"])
+    assert summary["gather_heads"] == [] and summary["aggregate_heads"] == []  # the classifier flags no head
     assert not evidence["details"]["pairs"]
     report = (out / "report.md").read_text()
     assert "No confident G&A pair" in report and "G&A pair found" not in report
