@@ -409,25 +409,32 @@ def leave_one_model_out(labelled: pl.DataFrame, *, threshold: float = 0.5, c: fl
             raise GascanError(f"cannot hold out {model}: {err.problem}",
                               "leave-one-model-out needs gather and aggregate labels in at least two models") from None
         for (task,), part in held.partition_by(["task"], as_dict=True, maintain_order=True).items():
-            probs = clf.predict(part)
-            truth = part["role_label"].to_numpy()
-            row: dict[str, Any] = {"model": model, "checkpoint": checkpoint, "task": task, "heads": part.height}
-            for role in ROLES:
-                pred = probs[role] >= threshold
-                true = truth == role
-                tp = int((pred & true).sum())
-                row[f"{role}_precision"] = tp / int(pred.sum()) if pred.sum() else None
-                row[f"{role}_recall"] = tp / int(true.sum()) if true.sum() else None
-                row[f"{role}_false_positives"] = int((pred & ~true).sum())
-                order = np.argsort(-probs[role])
-                ranks = [int(np.nonzero(order == i)[0][0]) + 1 for i in np.nonzero(true)[0]]
-                row[f"{role}_best_rank"] = min(ranks) if ranks else None
-            truth_pairs = {(g, a) for g in _heads_with(part, "gather") for a in _heads_with(part, "aggregate")
-                           if g[0] < a[0]}
-            top = pair_prior(part, probs["gather"], probs["aggregate"], k=3)
-            row["pair_in_top3"] = any((g, a) in truth_pairs for g, a, _ in top) if truth_pairs else None
-            rows.append(row)
+            rows.append({"model": model, "checkpoint": checkpoint, "task": task,
+                         **score_labelled(clf, part, threshold=threshold)})
     return pl.DataFrame(rows, infer_schema_length=None)
+
+
+def score_labelled(clf: HeadClassifier, part: pl.DataFrame, *, threshold: float = 0.5) -> dict[str, Any]:
+    """How ``clf`` ranks one labelled model/task table: precision, recall and false positives per role at
+    ``threshold``, the rank of the best true head of each role (1 = first), and whether a true
+    (gather, aggregate) pair is among the top 3 pairs by P(g)·P(a) (None when the table has no pair)."""
+    probs = clf.predict(part)
+    truth = part["role_label"].to_numpy()
+    row: dict[str, Any] = {"heads": part.height}
+    for role in ROLES:
+        pred = probs[role] >= threshold
+        true = truth == role
+        tp = int((pred & true).sum())
+        row[f"{role}_precision"] = tp / int(pred.sum()) if pred.sum() else None
+        row[f"{role}_recall"] = tp / int(true.sum()) if true.sum() else None
+        row[f"{role}_false_positives"] = int((pred & ~true).sum())
+        order = np.argsort(-probs[role])
+        ranks = [int(np.nonzero(order == i)[0][0]) + 1 for i in np.nonzero(true)[0]]
+        row[f"{role}_best_rank"] = min(ranks) if ranks else None
+    truth_pairs = {(g, a) for g in _heads_with(part, "gather") for a in _heads_with(part, "aggregate") if g[0] < a[0]}
+    top = pair_prior(part, probs["gather"], probs["aggregate"], k=3)
+    row["pair_in_top3"] = any((g, a) in truth_pairs for g, a, _ in top) if truth_pairs else None
+    return row
 
 
 def _heads_with(frame: pl.DataFrame, role: str) -> list[tuple[int, int, str]]:

@@ -117,6 +117,19 @@ def derive_truth(heads: pl.DataFrame, clean_ld: float, *, effect: float = TRUTH_
     return out
 
 
+def _scanned_model_dir(spec: str | None) -> Path | None:
+    """The directory a scan's model spec resolves to (as the loader resolves it), or None."""
+    from .loading import resolve_spec
+
+    if not spec:
+        return None
+    try:
+        kind, directory, _ = resolve_spec(spec)
+    except GascanError:  # the scanned model is not on this machine any more
+        return None
+    return directory if kind == "dir" else None
+
+
 def labels_for_dirs(dirs: Sequence[str | Path]) -> list[dict[str, Any]]:
     """Labels of scan directories from their truth.json (or the scanned model's truth.json, or derived)."""
     from .report import read_scan
@@ -126,14 +139,9 @@ def labels_for_dirs(dirs: Sequence[str | Path]) -> list[dict[str, Any]]:
         scan = read_scan(d)
         name = str(scan.summary.get("model"))
         candidates = [Path(d) / "truth.json"]
-        spec = str(scan.summary.get("spec") or "")
-        if spec and Path(spec).is_dir():
-            candidates.append(Path(spec) / "truth.json")
-        elif spec.startswith("bundled:"):  # a bundled toy carries its truth.json
-            from .toy import BUNDLED_NAMES, bundled_model_path
-
-            if spec.removeprefix("bundled:") in BUNDLED_NAMES:
-                candidates.append(bundled_model_path(spec.removeprefix("bundled:")) / "truth.json")
+        model_dir = _scanned_model_dir(scan.summary.get("spec"))
+        if model_dir is not None:  # the scanned model's own truth.json (a bundled toy carries one)
+            candidates.append(model_dir / "truth.json")
         found = next((c for c in candidates if c.is_file()), None)
         if found is not None:
             checkpoint = scan.summary.get("checkpoint")

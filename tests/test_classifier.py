@@ -191,7 +191,7 @@ def test_shipped_training_rows_evaluate_leave_one_model_out(capsys):
 def test_shipped_classifier_finds_the_bundled_toys_heads_it_never_saw():
     """Out of sample: the shipped classifier (planted circuits only) on the committed scan of the
     bundled toy ranks a true gather head and a true aggregate head first and a true pair in its top 3."""
-    from discovery.classifier import label_rows, load_tables, pair_prior
+    from discovery.classifier import label_rows, load_tables, score_labelled
     from discovery.classifier_data import labels_for_dirs
 
     scan = Path(__file__).resolve().parents[1] / "reports" / "toy-mc-transformer"
@@ -200,17 +200,9 @@ def test_shipped_classifier_finds_the_bundled_toys_heads_it_never_saw():
     table = label_rows(load_tables([str(scan)]), labels_for_dirs([scan]))
     roles = table["role_label"].to_numpy()
     assert (roles == "gather").sum() == 1 and (roles == "aggregate").sum() >= 2  # from the bundled truth.json
-    probs = clf.predict(table)
-    for role in ("gather", "aggregate"):
-        assert roles[int(np.argmax(probs[role]))] == role
-    truth_pairs = {(g, a) for g in _heads_of(table, "gather") for a in _heads_of(table, "aggregate")}
-    top = pair_prior(table, probs["gather"], probs["aggregate"], k=3)
-    assert any((g, a) in truth_pairs for g, a, _ in top)
-
-
-def _heads_of(table: pl.DataFrame, role: str) -> list[tuple[int, int, str]]:
-    rows = table.filter(pl.col("role_label") == role)
-    return list(zip(rows["layer"].to_list(), rows["head"].to_list(), rows["kind"].to_list()))
+    score = score_labelled(clf, table)
+    assert score["gather_best_rank"] == 1 and score["aggregate_best_rank"] == 1
+    assert score["pair_in_top3"] is True
 
 
 def test_labels_from_ground_truth_files(tmp_path):

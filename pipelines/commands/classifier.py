@@ -107,8 +107,7 @@ def _lomo_summary(lomo) -> dict:
     for role in ("gather", "aggregate"):
         out[f"{role}_precision"] = lomo[f"{role}_precision"].mean()
         out[f"{role}_recall"] = lomo[f"{role}_recall"].mean()
-        out[f"{role}_top1"] = float(lomo.filter(pl.col(f"{role}_best_rank").is_not_null())[f"{role}_best_rank"]
-                                    .eq(1).mean() or 0.0)
+        out[f"{role}_top1"] = float((lomo[f"{role}_best_rank"] == 1).mean() or 0.0)  # models without the role: null
         out[f"{role}_false_positives"] = int(lomo[f"{role}_false_positives"].sum())
     out["pair_in_top3"] = float(lomo.filter(pl.col("pair_in_top3").is_not_null())["pair_in_top3"].mean() or 0.0)
     return out

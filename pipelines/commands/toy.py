@@ -138,8 +138,10 @@ def run_truth(args: argparse.Namespace) -> int:
 
 def truth_summary(truth: dict) -> str:
     """The labels of a ``truth.json`` in a few readable lines."""
+    from discovery.report import head_name
+
     def name(d: dict) -> str:
-        return f"L{d['layer']}H{d['head']}"
+        return head_name(d["layer"], d["head"], d.get("kind", "attn"))
 
     clean = truth["clean"]
     pairs = [f"{name(p['gather'])}->{name(p['aggregate'])} (agg_select {p['agg_select_clean']:.2f} -> "
