@@ -12,7 +12,11 @@ For one task's batch and head table:
      the gather head is gone, ``(d_a - (d_ga - d_g)) / d_a`` (0 for independent heads; near 1 when the
      aggregate head only matters through the gather head — or when the gather head alone already
      breaks the task, which is why the pattern test carries more weight).
-   ``score = P(g) · P(a) · (0.4 + 0.4 · max(select_drop, focus_drop) + 0.2 · effect_dependence)``.
+   ``score = w(g) · w(a) · (0.4 + 0.4 · max(select_drop, focus_drop) + 0.2 · effect_dependence)``, where a
+   head's weight ``w`` is 1 when the evidence stage gave it the role (pattern and effect at the right
+   positions) and its classifier probability otherwise: a head that passed the causal test outranks one
+   that only looks like the heads of the training set (on SmolLM2 every P(gather) was below 0.02, which
+   let weak layer-0 candidates outrank the evidence stage's gather heads).
 3. **Verification** of the top ``k``: the joint ablation (both heads zeroed at all positions, through the
    ablation engine) against a control of random pairs from the same two layers, same kinds, neither head
    a candidate of the pair (all such pairs when there are at most ``control_draws``, else that many drawn
@@ -144,6 +148,11 @@ def rank_pairs(lm: Any, batch: Any, heads_frame: pl.DataFrame, k: int = 3, *, su
     aggregate_rank += [h for h, r in zip(head_ids, roles) if r == "aggregate" and h not in aggregate_rank]
     role_of = dict(zip(head_ids, roles))
     prob = {h: (float(p_g[i]), float(p_a[i])) for i, h in enumerate(head_ids)}
+
+    def role_weight(h: HeadId, which: int) -> float:
+        """A head's weight for a role in the pair score: 1 when the evidence stage gave it that role (it
+        passed the causal test at its positions), else the classifier's probability."""
+        return 1.0 if role_of.get(h) == ("gather", "aggregate")[which] else prob[h][which]
     candidates = [(g, a) for g in gather_rank for a in aggregate_rank if g.layer < a.layer]
     fields: dict[str, Any] = {"gather_heads": _role_list(head_ids, p_g, task), "aggregate_heads":
                               _role_list(head_ids, p_a, task), "pair_probabilities": source}
@@ -177,7 +186,7 @@ def rank_pairs(lm: Any, batch: Any, heads_frame: pl.DataFrame, k: int = 3, *, su
         sel_u, foc_u = under[g][a]["agg_select"], under[g][a]["agg_focus"]
         sel_drop, foc_drop = _relative_drop(sel_c, sel_u), _relative_drop(foc_c, foc_u)
         interaction = max(x for x in (sel_drop, foc_drop, 0.0) if x is not None)
-        score = prob[g][0] * prob[a][1] * (0.4 + 0.4 * interaction + 0.2 * max(0.0, dependence or 0.0))
+        score = role_weight(g, 0) * role_weight(a, 1) * (0.4 + 0.4 * interaction + 0.2 * max(0.0, dependence or 0.0))
         rows.append({
             "task": task, "gather_layer": g.layer, "gather_head": g.index, "gather_kind": g.kind,
             "aggregate_layer": a.layer, "aggregate_head": a.index, "aggregate_kind": a.kind,

@@ -79,6 +79,24 @@ def test_ranking_finds_the_planted_pair_first_and_verifies_it(planted):
     assert "G&amp;A pair found: gather L0H3 → aggregate L3H0" in (out / "report.html").read_text()
 
 
+def test_evidence_roles_outrank_classifier_probabilities_in_the_pair_score(planted):
+    """A head the evidence stage calls gather/aggregate weighs 1 in the pair score, whatever the classifier
+    says: with tiny probabilities on the true heads and larger ones on two unrelated heads, the evidence
+    pair still ranks first (before the fix the unrelated pair won, 0.05 x 0.05 against 0.01 x 0.01)."""
+    circuit, heads, summary, batch, _ = planted
+    keyed = {(0, 3): (0.01, 0.0, "gather"), (3, 0): (0.0, 0.01, "aggregate"),
+             (1, 1): (0.05, 0.0, "none"), (2, 2): (0.0, 0.05, "none")}
+    rows = [keyed.get((r["layer"], r["head"]), (0.0, 0.0, "none")) for r in heads.iter_rows(named=True)]
+    frame = heads.with_columns(p_gather=pl.Series([r[0] for r in rows]), p_aggregate=pl.Series([r[1] for r in rows]),
+                               role=pl.Series([r[2] for r in rows]))
+    table, _ = rank_pairs(circuit.lm, batch, frame, k=1, n_gather=2, n_aggregate=2, control_draws=9, bootstrap=100)
+    best = table.sort("rank").row(0, named=True)
+    assert (best["gather_layer"], best["gather_head"], best["aggregate_layer"], best["aggregate_head"]) == (0, 3, 3, 0)
+    assert best["p_gather"] == pytest.approx(0.01) and best["score"] >= 0.4
+    other = table.filter((pl.col("gather_layer") == 1) & (pl.col("aggregate_layer") == 2)).row(0, named=True)
+    assert other["score"] < 0.01
+
+
 def test_interaction_patterns_follow_the_ablation(planted):
     circuit, _, _, batch, _ = planted
     a, g = HeadId(3, 0, "attn"), HeadId(0, 3, "attn")

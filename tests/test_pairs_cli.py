@@ -18,6 +18,9 @@ def test_scan_then_report_with_pairs_names_the_planted_pair(tmp_path, capsys):
     out = tmp_path / "scan"
     assert main(["scan", str(model), "--task", f"jsonl:{model / 'prompts.jsonl'}", "--prompts", "16",
                  "--out", str(out), "--no-report"]) == 0
+    # the scan ranks pairs after its evidence stage, and the evidence roles reach the pairs table
+    scanned = pl.read_parquet(out / "pairs.parquet").sort("rank").row(0, named=True)
+    assert (scanned["gather_role"], scanned["aggregate_role"]) == ("gather", "aggregate")
     # the evidence stage (roles, position-resolved effects, minimal model) before the pairs and the report
     from discovery.evidence import scan_evidence, write_evidence
     from discovery.loading import load_model

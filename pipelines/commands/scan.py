@@ -98,7 +98,8 @@ def run(args: argparse.Namespace) -> int:
             write_evidence(out, tables, evidence_fields)
             summary.update(evidence_fields)
             progress("pairs (ranking, joint ablation)", 0, 1)
-            pairs, fields = scan_pairs(lm, heads, summary)
+            # the evidence roles steer the candidates (its gather/aggregate heads always compete)
+            pairs, fields = scan_pairs(lm, heads, summary, evidence=tables.get("evidence"))
             write_pairs(out, pairs, fields)
             progress("pairs (ranking, joint ablation)", 1, 1)
     for task, info in summary["tasks"].items():
