@@ -50,6 +50,14 @@ class TrainConfig:
     # to every step's answer loss; a batch of ``batch_size`` sequences of 2 x ``induction_length`` tokens.
     induction_weight: float = 0.0
     induction_length: int = 16
+    induction_steps: int = 0  # the induction loss is added in the first N steps only (0: every step)
+    # Auxiliary "knowledge" loss (mc category questions): next-token loss on the category of each training
+    # word in fact sequences such as " apple is fruit. car is vehicle. ..." (``knowledge_facts`` facts a
+    # sequence, ``batch_size`` sequences a step), added with this weight. It teaches what a word is
+    # directly, the way pretraining would, so the answer loss only has to grow the retrieval circuit.
+    # Training-split words only: the unseen-word check stays at chance.
+    knowledge_weight: float = 0.0
+    knowledge_facts: int = 8
     vocab_size: int = 600
     train_size: int = 20000  # prompts in the training pool (cycled in a seeded order)
     test_size: int = 256  # held-out prompts (test split: disjoint words) for accuracy during training
@@ -112,6 +120,15 @@ class TrainConfig:
         if not self.induction_weight >= 0 or not isinstance(self.induction_length, int) or self.induction_length < 2:
             raise GascanError("--induction-weight must be >= 0 and --induction-length a whole number >= 2",
                               "pass e.g. --induction-weight 1 --induction-length 16")
+        if not isinstance(self.induction_steps, int) or self.induction_steps < 0:
+            raise GascanError(f"--induction-steps must be >= 0, got {self.induction_steps!r}",
+                              "pass 0 (induction loss on every step) or a step count")
+        if not self.knowledge_weight >= 0 or not isinstance(self.knowledge_facts, int) or self.knowledge_facts < 1:
+            raise GascanError("--knowledge-weight must be >= 0 and --knowledge-facts a whole number >= 1",
+                              "pass e.g. --knowledge-weight 1 --knowledge-facts 8")
+        if self.knowledge_weight and (self.task != "mc" or self.task_options.get("question", "category") != "category"):
+            raise GascanError("--knowledge-weight needs category questions (task mc, question=category)",
+                              "drop --knowledge-weight")
         if not isinstance(self.curriculum_steps, int) or self.curriculum_steps < 0:
             raise GascanError(f"--curriculum-steps must be >= 0, got {self.curriculum_steps!r}",
                               "pass 0 (no curriculum) or a step count such as 200")

@@ -116,3 +116,48 @@ def encode(prompts: Sequence[Any], tokenizer) -> Encoded:
         gold=torch.tensor([gold_index(p) for p in prompts], dtype=torch.long),
         pad_id=pad,
     )
+
+
+@dataclass
+class Facts:
+    """Knowledge facts (" apple is fruit.") as token ids, with the positions whose next token is scored."""
+
+    ids: list[torch.Tensor]  # per fact [len] int64
+    labels: list[torch.Tensor]  # per fact [len] int64: the next token where it is a category token, else -100
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def batch(self, n_rows: int, per_row: int, pad_id: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """``n_rows`` sequences of ``per_row`` random facts each: (ids [rows, len], labels [rows, len])."""
+        pick = torch.randint(len(self.ids), (n_rows, per_row), generator=gen)  # [rows, per_row]
+        rows = [torch.cat([self.ids[i] for i in r.tolist()]) for r in pick]
+        labs = [torch.cat([self.labels[i] for i in r.tolist()]) for r in pick]
+        width = max(len(r) for r in rows)
+        ids = torch.full((n_rows, width), pad_id, dtype=torch.long)
+        labels = torch.full((n_rows, width), -100, dtype=torch.long)
+        for i, (r, lab) in enumerate(zip(rows, labs)):
+            ids[i, : len(r)] = r
+            labels[i, : len(lab)] = lab
+        return ids, labels
+
+
+def category_facts(tokenizer, options: dict[str, Any]) -> Facts:
+    """One fact per training word of the ``mc`` category generator, in the question's own wording:
+    " apple is fruit." with ``question_form=keyword``, " apple is a fruit." with sentences. Only the
+    category's tokens are targets, so the loss is about what the word is, nothing else."""
+    from ..tasks.words import CATEGORIES, category_words
+
+    keyword = options.get("question_form", "sentence") == "keyword"
+    ids, labels = [], []
+    for name, words in sorted(category_words("train").items()):
+        phrase = name if keyword else CATEGORIES[name][0]
+        for word in words:
+            head = tokenizer(f" {word} is", add_special_tokens=False)["input_ids"]
+            tail = tokenizer(f" {phrase}", add_special_tokens=False)["input_ids"]
+            row = torch.tensor(head + tail + tokenizer(".", add_special_tokens=False)["input_ids"])  # [len]
+            lab = torch.full_like(row, -100)
+            lab[len(head) - 1: len(head) + len(tail) - 1] = torch.tensor(tail)  # predict each category token
+            ids.append(row)
+            labels.append(lab)
+    return Facts(ids, labels)

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from ..errors import GascanError
 from .config import TrainConfig
-from .data import Encoded, check_task_options, corpus_texts, encode, has_word_splits, task_prompts
+from .data import Encoded, Facts, category_facts, check_task_options, corpus_texts, encode, has_word_splits, task_prompts
 from .models import build_model
 from .tokenizer import check_single_tokens, train_tokenizer
 
@@ -89,6 +89,13 @@ def induction_loss(model, cfg: TrainConfig, plain_ids: torch.Tensor, gen: torch.
     seq = torch.cat([half, half], dim=1)  # [batch, 2n]
     logits = model(input_ids=seq).logits[:, n:-1]  # [batch, n - 1, vocab]: predicting seq[:, n+1:]
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), seq[:, n + 1:].reshape(-1))
+
+
+def knowledge_loss(model, cfg: TrainConfig, facts: Facts, pad_id: int, gen: torch.Generator) -> torch.Tensor:
+    """Next-token loss on the category tokens of ``batch_size`` sequences of ``knowledge_facts`` facts."""
+    ids, labels = facts.batch(cfg.batch_size, cfg.knowledge_facts, pad_id, gen)  # [batch, len] each
+    logits = model(input_ids=ids).logits  # [batch, len, vocab]
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
 
 
 @torch.no_grad()
@@ -210,7 +217,8 @@ def command_line(cfg: TrainConfig, out: Path | str) -> str:
     parts = ["gascan", "toy", "train", "--arch", cfg.arch, "--task", cfg.task, "--seed", str(cfg.seed),
              "--out", str(out), "--steps", str(cfg.steps)]
     for name in ("batch_size", "lr", "weight_decay", "decay_steps", "init_std", "layers", "heads", "width", "mlp_ratio",
-                 "ssm_heads", "ssm_state", "induction_weight", "induction_length", "vocab_size", "train_size", "test_size", "eval_every",
+                 "ssm_heads", "ssm_state", "induction_weight", "induction_length", "induction_steps", "knowledge_weight",
+                 "knowledge_facts", "vocab_size", "train_size", "test_size", "eval_every",
                  "save_every", "time_budget", "threads"):
         value = getattr(cfg, name)
         if value != getattr(default, name):
@@ -279,6 +287,8 @@ def train(cfg: TrainConfig, out_dir: Path | str, *, progress: bool = True, overw
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         order_gen = torch.Generator().manual_seed(cfg.seed)
         induction_gen = torch.Generator().manual_seed(cfg.seed + 17)
+        knowledge_gen = torch.Generator().manual_seed(cfg.seed + 29)
+        facts = category_facts(tokenizer, resolved_options) if cfg.knowledge_weight else None
         specials = set(tokenizer.all_special_ids)
         plain_ids = torch.tensor([i for i in range(len(tokenizer)) if i not in specials])
         gold_tokens = train_data.gold_tokens()  # [n_train]
@@ -331,8 +341,11 @@ def train(cfg: TrainConfig, out_dir: Path | str, *, progress: bool = True, overw
                 logits = answer_logits(model, ids, last)  # [batch, vocab]
                 answer_loss = F.cross_entropy(logits, gold_tokens[index])
                 loss = answer_loss  # the loss reported (history, progress bar) is the answer loss alone
-                if cfg.induction_weight:
+                if cfg.induction_weight and (not cfg.induction_steps or step < cfg.induction_steps):
                     loss = loss + cfg.induction_weight * induction_loss(model, cfg, plain_ids, induction_gen)
+                if facts is not None:
+                    loss = loss + cfg.knowledge_weight * knowledge_loss(model, cfg, facts, tokenizer.pad_token_id,
+                                                                        knowledge_gen)
                 if cfg.decay_steps:
                     for group in optimizer.param_groups:
                         group["lr"] = cfg.lr_at(step)

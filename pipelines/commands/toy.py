@@ -51,6 +51,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     t.add_argument("--induction-weight", type=float, default=0.0,
                    help="add this times a next-token loss on repeated random sequences (grows copy heads; 0 = off)")
     t.add_argument("--induction-length", type=int, default=16, help="length of each random sequence before it repeats")
+    t.add_argument("--induction-steps", type=int, default=0,
+                   help="add the induction loss in the first N steps only (0: every step)")
+    t.add_argument("--knowledge-weight", type=float, default=0.0,
+                   help="mc: add this times a next-token loss on facts such as ' apple is fruit.' (0 = off)")
+    t.add_argument("--knowledge-facts", type=int, default=8, help="facts per knowledge sequence")
     t.add_argument("--init-std", type=float, default=0.1)
     t.add_argument("--vocab-size", type=int, default=600)
     t.add_argument("--train-size", type=int, default=20000, help="prompts in the training pool")
@@ -86,7 +91,8 @@ def config_from_args(args: argparse.Namespace):
         attn_layers=None if args.attn_layers is None else _int_list(args.attn_layers, "--attn-layers"),
         task_options=parse_task_options(args.task_option),
         curriculum_steps=args.curriculum_steps, induction_weight=args.induction_weight,
-        induction_length=args.induction_length,
+        induction_length=args.induction_length, induction_steps=args.induction_steps,
+        knowledge_weight=args.knowledge_weight, knowledge_facts=args.knowledge_facts,
         vocab_size=args.vocab_size, train_size=args.train_size,
         test_size=args.test_size, eval_every=args.eval_every, save_every=args.save_every,
         save_at=_int_list(args.save_at, "--save-at"), time_budget=args.time_budget, threads=args.threads,
