@@ -342,3 +342,37 @@ def test_knowledge_loss_teaches_what_training_words_are(tmp_path):
         TrainConfig(knowledge_weight=1.0, task="kv").validate()
     with pytest.raises(GascanError, match="--induction-steps"):
         TrainConfig(induction_steps=-1).validate()
+
+
+def test_placement_check_trains_one_hybrid_per_layer_and_resumes(tmp_path, capsys, monkeypatch):
+    """`gascan toy placement`: the advice for the committed toy scan names layer 1 (its gather layer); one
+    hybrid per (layer, seed) is trained with attention at that layer only; a rerun reuses finished runs."""
+    from discovery.toy import placement_check
+
+    scan = Path(__file__).resolve().parents[1] / "reports" / "toy-mc-transformer"
+    ranking = placement_check.layer_ranking(scan)
+    assert ranking[0]["layer"] == 1 and sorted(r["layer"] for r in ranking) == [0, 1, 2, 3]
+    out = tmp_path / "place"
+    args = ["toy", "placement", str(scan), "--out", str(out), "--try-layers", "1,3", "--seeds", "0", "--quiet",
+            "--layers", "4", "--heads", "2", "--width", "32", "--ssm-heads", "4", "--ssm-state", "16", "--steps", "3",
+            "--batch-size", "8", "--vocab-size", "400", "--train-size", "200", "--test-size", "32",
+            "--task-option", "option_words=2"]
+    assert main(args) == 0
+    table = json.loads((out / "placement_check.json").read_text())
+    assert table["recommended_layer"] == 1 and [r["layer"] for r in table["rows"]] == [1, 3]
+    for row in table["rows"]:
+        meta = json.loads((out / f"attn-L{row['layer']}" / "seed-0" / "training.json").read_text())
+        assert meta["model_class"] == "BambaForCausalLM" and meta["config"]["attn_layers"] == [row["layer"]]
+        assert row["accuracies"] == [meta["test_accuracy"]]
+    assert table["recommended_wins"] == (table["rows"][0]["mean_accuracy"] >= table["rows"][1]["mean_accuracy"])
+    assert "| layer 1 (recommended) | 1 |" in (out / "placement_check.md").read_text()
+
+    def no_training(*a, **k):
+        raise AssertionError("a finished run was retrained")
+
+    monkeypatch.setattr("discovery.toy.trainer.train", no_training)
+    capsys.readouterr()
+    assert main(args) == 0  # resumes: every run is read back
+    assert "layer 1 (recommended)" in capsys.readouterr().out
+    assert main([*args[:-2], "--layers", "3", "--task-option", "option_words=2"]) == 2
+    assert "the scanned model has 4 layers" in capsys.readouterr().err

@@ -27,13 +27,45 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     t = sub.add_parser("train", help="train a transformer, Mamba-2 or hybrid toy model on a synthetic task",
                        description="Deterministic toy-model trainer: same seed, same weights (on one machine).")
     t.add_argument("--arch", default="transformer", help="transformer, mamba2 or hybrid (default transformer)")
-    t.add_argument("--task", default="mc", help="mc or kv (default mc)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--out", required=True, type=Path, help="output directory (a Hugging Face model dir)")
+    t.add_argument("--attn-layers", default=None, help="hybrid: attention layer indices (comma list)")
+    t.add_argument("--overwrite", action="store_true", help="replace a previous toy run in --out")
+    t.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_recipe_args(t)
+    t.set_defaults(func=run_train)
+    tr = sub.add_parser("truth", help="exhaustive ablation ground truth of a (small) model -> truth.json beside it",
+                        description="Zero-ablate every head alone (all / query / segment positions), compute the "
+                        "pattern metrics and the pair interaction test on the model's own task (from its "
+                        "training.json), and write DIR/truth.json: the heads whose ablation breaks the task, "
+                        "labelled gather or aggregate, and the confirmed gather->aggregate pairs.")
+    tr.add_argument("model", nargs="?", default=None, help="model directory (default: the bundled toy model)")
+    tr.add_argument("--prompts", type=int, default=128, help="test prompts (default 128)")
+    tr.add_argument("--seed", type=int, default=1, help="seed of the test prompts")
+    tr.add_argument("--out", default=None, help="where to write (default: MODEL/truth.json)")
+    tr.set_defaults(func=run_truth)
+    pl_ = sub.add_parser("placement", help="check placement advice: train one hybrid per attention layer",
+                         description="Rank the layers of a scanned model with `gascan place`, then train Bamba "
+                         "hybrids (Mamba-2 layers, softmax attention at exactly one layer) with attention at "
+                         "each layer, same recipe and seeds, and compare their test accuracy: the recommended "
+                         "layer should win. Finished runs are reused, so an interrupted check resumes. Writes "
+                         "OUT/placement_check.json and OUT/placement_check.md.")
+    pl_.add_argument("scan", help="scan directory of the model the advice is for (e.g. a toy transformer)")
+    pl_.add_argument("--out", required=True, type=Path, help="root directory of the hybrid runs and the table")
+    pl_.add_argument("--try-layers", default=None, help="attention layers to train (comma list; default all)")
+    pl_.add_argument("--seeds", default="0,1", help="seeds per layer (comma list; default 0,1)")
+    pl_.add_argument("--quiet", action="store_true", help="no progress bars")
+    _add_recipe_args(pl_)
+    pl_.set_defaults(func=run_placement, arch="hybrid", seed=0, attn_layers=None)
+    parser.set_defaults(func=lambda args: (parser.print_help(), 2)[1])
+
+
+def _add_recipe_args(t: argparse.ArgumentParser) -> None:
+    """The training recipe's options, shared by `toy train` and `toy placement`."""
+    t.add_argument("--task", default="mc", help="mc or kv (default mc)")
     t.add_argument("--steps", type=int, default=2000)
     t.add_argument("--save-every", type=int, default=None, help="write DIR/checkpoints/step-N every K steps")
     t.add_argument("--save-at", default="", help="also checkpoint at these steps (comma list)")
-    t.add_argument("--attn-layers", default=None, help="hybrid: attention layer indices (comma list)")
     t.add_argument("--task-option", action="append", default=[], metavar="K=V",
                    help="task generator option (repeatable), e.g. option_words=2")
     t.add_argument("--curriculum-steps", type=int, default=0,
@@ -63,20 +95,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     t.add_argument("--eval-every", type=int, default=100)
     t.add_argument("--time-budget", type=float, default=None, help="stop training after this many seconds")
     t.add_argument("--threads", type=int, default=1, help="torch threads (fixed for bit-identical runs; 1 is fastest on a shared CPU)")
-    t.add_argument("--overwrite", action="store_true", help="replace a previous toy run in --out")
-    t.add_argument("--quiet", action="store_true", help="no progress bar")
-    t.set_defaults(func=run_train)
-    tr = sub.add_parser("truth", help="exhaustive ablation ground truth of a (small) model -> truth.json beside it",
-                        description="Zero-ablate every head alone (all / query / segment positions), compute the "
-                        "pattern metrics and the pair interaction test on the model's own task (from its "
-                        "training.json), and write DIR/truth.json: the heads whose ablation breaks the task, "
-                        "labelled gather or aggregate, and the confirmed gather->aggregate pairs.")
-    tr.add_argument("model", nargs="?", default=None, help="model directory (default: the bundled toy model)")
-    tr.add_argument("--prompts", type=int, default=128, help="test prompts (default 128)")
-    tr.add_argument("--seed", type=int, default=1, help="seed of the test prompts")
-    tr.add_argument("--out", default=None, help="where to write (default: MODEL/truth.json)")
-    tr.set_defaults(func=run_truth)
-    parser.set_defaults(func=lambda args: (parser.print_help(), 2)[1])
 
 
 def config_from_args(args: argparse.Namespace):
@@ -110,6 +128,22 @@ def run_train(args: argparse.Namespace) -> int:
     result = train(cfg, args.out, progress=not args.quiet, overwrite=True)
     print(f"saved {result.out_dir}: test accuracy {result.test_accuracy:.3f} after {result.steps} steps "
           f"({result.train_seconds:.0f} s training, {len(result.checkpoints)} checkpoints)")
+    return 0
+
+
+def run_placement(args: argparse.Namespace) -> int:
+    """``gascan toy placement``: train hybrids with attention at each layer and compare (placement_check)."""
+    from discovery.toy.placement_check import check_placement
+
+    cfg = config_from_args(args)
+    layers = None if args.try_layers is None else _int_list(args.try_layers, "--try-layers")
+    seeds = _int_list(args.seeds, "--seeds")
+    table = check_placement(args.scan, cfg, args.out, layers=layers, seeds=seeds,
+                            progress=None if args.quiet else print, show_bars=not args.quiet)
+    from discovery.toy.placement_check import placement_markdown
+
+    print(placement_markdown(table), end="")
+    print(f"wrote {args.out / 'placement_check.json'} and {args.out / 'placement_check.md'}")
     return 0
 
 

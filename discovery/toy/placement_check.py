@@ -1,0 +1,131 @@
+"""Validate placement advice by training: one hybrid per attention layer, same recipe and seeds.
+
+``gascan place`` ranks the layers of a scanned model by where attention should be kept (DESIGN.md: the
+G&A layers). The check the issue asks for trains Bamba hybrids (Mamba-2 everywhere, softmax attention
+at exactly one layer) with attention at the recommended layer and at every other layer, same steps and
+seed set, and compares their test accuracy: the recommended placement should win.
+
+Each run is a normal toy directory ``ROOT/attn-L{layer}/seed-{seed}``; a finished run (its
+``training.json`` exists) is read back instead of retrained, so an interrupted check resumes. The
+table goes to ``ROOT/placement_check.json`` and ``ROOT/placement_check.md``, written atomically.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from ..errors import GascanError
+from .config import TrainConfig
+
+
+def layer_ranking(scan_dir: str | Path) -> list[dict[str, Any]]:
+    """Every layer of a scan ranked by ``gascan place`` (unit layer), best first: layer, score, why."""
+    from ..placement import place
+    from ..report import read_scan, scored_heads
+
+    scan = read_scan(scan_dir)
+    n_layers = int(scan.summary.get("n_layers") or 0)
+    if n_layers < 1:
+        raise GascanError(f"{scan_dir} does not say how many layers its model has", "rescan with gascan scan")
+    choices = place(scored_heads(scan), scan.summary, scan.pairs, budget=n_layers, unit="layer")
+    if not choices:
+        raise GascanError(f"{scan_dir} has no effects or probabilities to place attention by",
+                          "scan the model with ablation (gascan scan without --ablation none)")
+    return [{"layer": c.layer, "score": c.score, "why": c.why} for c in choices]
+
+
+def run_dir(root: Path, layer: int, seed: int) -> Path:
+    return root / f"attn-L{layer}" / f"seed-{seed}"
+
+
+def check_placement(scan_dir: str | Path, base: TrainConfig, root: str | Path, *, layers: Sequence[int] | None = None,
+                    seeds: Sequence[int] = (0, 1), progress: Callable[[str], None] | None = None,
+                    show_bars: bool = False) -> dict[str, Any]:
+    """Train one hybrid per (attention layer, seed), reuse finished runs, and write the comparison table.
+
+    ``base`` is the recipe (``arch`` and ``attn_layers`` are set here); its ``layers`` must match the
+    scanned model's depth, since the advice names that model's layers.
+    """
+    from ..io import write_json, write_text
+    from .trainer import train
+
+    root = Path(root)
+    ranking = layer_ranking(scan_dir)
+    from ..report import read_scan
+
+    depth = int(read_scan(scan_dir).summary["n_layers"])
+    if base.layers != depth:
+        raise GascanError(f"the scanned model has {depth} layers but the hybrids would have {base.layers}",
+                          f"pass --layers {depth} so the advice's layer numbers mean the same layers")
+    layers = list(range(depth)) if layers is None else list(layers)
+    bad = [x for x in layers if not 0 <= x < depth]
+    if bad or not layers:
+        raise GascanError(f"attention layers {bad or layers} are out of range for {depth} layers",
+                          f"give layers between 0 and {depth - 1}")
+    if not seeds:
+        raise GascanError("no seeds to train with", "pass --seeds 0,1")
+    runs = []
+    for layer in layers:
+        for seed in seeds:
+            out = run_dir(root, layer, seed)
+            cfg = replace(base, arch="hybrid", attn_layers=[layer], seed=seed).validate()
+            meta_path = out / "training.json"
+            if not meta_path.exists():
+                if progress:
+                    progress(f"training the hybrid with attention at layer {layer}, seed {seed}")
+                train(cfg, out, progress=show_bars, overwrite=True)
+            runs.append({"layer": layer, "seed": seed, "dir": str(out), **_read_run(meta_path)})
+    table = _summarise(ranking, runs, layers, list(seeds), base)
+    root.mkdir(parents=True, exist_ok=True)
+    write_json(root / "placement_check.json", table)
+    write_text(root / "placement_check.md", placement_markdown(table))
+    return table
+
+
+def _read_run(meta_path: Path) -> dict[str, Any]:
+    import json
+
+    meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    return {"test_accuracy": meta["test_accuracy"], "steps": meta["steps"], "train_seconds": meta["train_seconds"],
+            "command": meta["command"]}
+
+
+def _summarise(ranking: list[dict[str, Any]], runs: list[dict[str, Any]], layers: list[int], seeds: list[int],
+               base: TrainConfig) -> dict[str, Any]:
+    rank_of = {r["layer"]: i + 1 for i, r in enumerate(ranking)}
+    score_of = {r["layer"]: r["score"] for r in ranking}
+    rows = []
+    for layer in layers:
+        accs = [r["test_accuracy"] for r in runs if r["layer"] == layer]
+        rows.append({"layer": layer, "advice_rank": rank_of.get(layer), "advice_score": score_of.get(layer),
+                     "accuracies": accs, "mean_accuracy": sum(accs) / len(accs)})
+    best = max(rows, key=lambda r: r["mean_accuracy"])
+    recommended = ranking[0]["layer"]
+    rec_row = next((r for r in rows if r["layer"] == recommended), None)
+    return {
+        "recommended_layer": recommended, "recommended_why": ranking[0]["why"],
+        "best_layer": best["layer"],
+        "recommended_wins": rec_row is not None and rec_row["mean_accuracy"] >= best["mean_accuracy"],
+        "seeds": seeds, "steps": base.steps, "rows": rows, "runs": runs, "ranking": ranking,
+    }
+
+
+def placement_markdown(table: dict[str, Any]) -> str:
+    """The comparison as a markdown table, recommended layer marked."""
+    seeds = table["seeds"]
+    lines = [f"Hybrids with softmax attention at one layer (Mamba-2 elsewhere), {table['steps']} steps, "
+             f"seeds {', '.join(map(str, seeds))}. Advice (gascan place, unit layer): layer "
+             f"{table['recommended_layer']}; best by accuracy: layer {table['best_layer']}; the recommended "
+             f"placement {'wins' if table['recommended_wins'] else 'does not win'}.", "",
+             "| attention at | advice rank | advice score | " + " | ".join(f"seed {s}" for s in seeds)
+             + " | mean accuracy |",
+             "|---|---:|---:|" + "---:|" * len(seeds) + "---:|"]
+    for r in table["rows"]:
+        mark = " (recommended)" if r["layer"] == table["recommended_layer"] else ""
+        rank = "–" if r["advice_rank"] is None else str(r["advice_rank"])
+        score = "–" if r["advice_score"] is None else f"{r['advice_score']:.3f}"
+        lines.append(f"| layer {r['layer']}{mark} | {rank} | {score} | "
+                     + " | ".join(f"{a:.3f}" for a in r["accuracies"]) + f" | {r['mean_accuracy']:.3f} |")
+    return "\n".join(lines) + "\n"
