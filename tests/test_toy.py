@@ -364,7 +364,12 @@ def test_placement_check_trains_one_hybrid_per_layer_and_resumes(tmp_path, capsy
         meta = json.loads((out / f"attn-L{row['layer']}" / "seed-0" / "training.json").read_text())
         assert meta["model_class"] == "BambaForCausalLM" and meta["config"]["attn_layers"] == [row["layer"]]
         assert row["accuracies"] == [meta["test_accuracy"]]
-    assert table["recommended_wins"] == (table["rows"][0]["mean_accuracy"] >= table["rows"][1]["mean_accuracy"])
+        assert row["first_steps_learned"] == [next((h["step"] for h in meta["history"] if h["test_accuracy"] >= 0.9),
+                                                   None)]
+    by_layer = {r["layer"]: r for r in table["rows"]}
+    better = max(by_layer.values(), key=lambda r: r["mean_accuracy"])["mean_accuracy"]
+    assert by_layer[table["best_layer"]]["mean_accuracy"] == better
+    assert table["recommended_wins"] == (table["best_layer"] == 1)
     assert "| layer 1 (recommended) | 1 |" in (out / "placement_check.md").read_text()
 
     def no_training(*a, **k):

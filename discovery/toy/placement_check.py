@@ -20,6 +20,9 @@ from ..errors import GascanError
 from .config import TrainConfig
 
 
+LEARNED = 0.9  # test accuracy at which a run counts as having learned the task (the speed column)
+
+
 def layer_ranking(scan_dir: str | Path) -> list[dict[str, Any]]:
     """Every layer of a scan ranked by ``gascan place`` (unit layer), best first: layer, score, why."""
     from ..placement import place
@@ -88,8 +91,9 @@ def _read_run(meta_path: Path) -> dict[str, Any]:
     import json
 
     meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    reached = [h["step"] for h in meta.get("history") or [] if h["test_accuracy"] >= LEARNED]
     return {"test_accuracy": meta["test_accuracy"], "steps": meta["steps"], "train_seconds": meta["train_seconds"],
-            "command": meta["command"]}
+            "first_step_learned": reached[0] if reached else None, "command": meta["command"]}
 
 
 def _summarise(ranking: list[dict[str, Any]], runs: list[dict[str, Any]], layers: list[int], seeds: list[int],
@@ -98,16 +102,22 @@ def _summarise(ranking: list[dict[str, Any]], runs: list[dict[str, Any]], layers
     score_of = {r["layer"]: r["score"] for r in ranking}
     rows = []
     for layer in layers:
-        accs = [r["test_accuracy"] for r in runs if r["layer"] == layer]
+        mine = [r for r in runs if r["layer"] == layer]
+        accs = [r["test_accuracy"] for r in mine]
+        learned = [r["first_step_learned"] for r in mine]
         rows.append({"layer": layer, "advice_rank": rank_of.get(layer), "advice_score": score_of.get(layer),
-                     "accuracies": accs, "mean_accuracy": sum(accs) / len(accs)})
-    best = max(rows, key=lambda r: r["mean_accuracy"])
+                     "accuracies": accs, "mean_accuracy": sum(accs) / len(accs), "first_steps_learned": learned})
+    # best: highest mean final accuracy; among equal ones, the layer whose runs learned first (a run that
+    # never reached LEARNED counts as one step past the end)
+    def speed(r: dict[str, Any]) -> float:
+        return sum(s if s is not None else base.steps + 1 for s in r["first_steps_learned"]) / len(r["first_steps_learned"])
+
+    best = max(rows, key=lambda r: (round(r["mean_accuracy"], 3), -speed(r)))
     recommended = ranking[0]["layer"]
-    rec_row = next((r for r in rows if r["layer"] == recommended), None)
     return {
         "recommended_layer": recommended, "recommended_why": ranking[0]["why"],
-        "best_layer": best["layer"],
-        "recommended_wins": rec_row is not None and rec_row["mean_accuracy"] >= best["mean_accuracy"],
+        "best_layer": best["layer"], "learned_at": LEARNED,
+        "recommended_wins": best["layer"] == recommended,
         "seeds": seeds, "steps": base.steps, "rows": rows, "runs": runs, "ranking": ranking,
     }
 
@@ -117,15 +127,16 @@ def placement_markdown(table: dict[str, Any]) -> str:
     seeds = table["seeds"]
     lines = [f"Hybrids with softmax attention at one layer (Mamba-2 elsewhere), {table['steps']} steps, "
              f"seeds {', '.join(map(str, seeds))}. Advice (gascan place, unit layer): layer "
-             f"{table['recommended_layer']}; best by accuracy: layer {table['best_layer']}; the recommended "
+             f"{table['recommended_layer']}; best (mean final accuracy, then speed): layer {table['best_layer']}; the recommended "
              f"placement {'wins' if table['recommended_wins'] else 'does not win'}.", "",
              "| attention at | advice rank | advice score | " + " | ".join(f"seed {s}" for s in seeds)
-             + " | mean accuracy |",
-             "|---|---:|---:|" + "---:|" * len(seeds) + "---:|"]
+             + f" | mean accuracy | first step at ≥ {table['learned_at']} |",
+             "|---|---:|---:|" + "---:|" * len(seeds) + "---:|---|"]
     for r in table["rows"]:
         mark = " (recommended)" if r["layer"] == table["recommended_layer"] else ""
         rank = "–" if r["advice_rank"] is None else str(r["advice_rank"])
         score = "–" if r["advice_score"] is None else f"{r['advice_score']:.3f}"
         lines.append(f"| layer {r['layer']}{mark} | {rank} | {score} | "
-                     + " | ".join(f"{a:.3f}" for a in r["accuracies"]) + f" | {r['mean_accuracy']:.3f} |")
+                     + " | ".join(f"{a:.3f}" for a in r["accuracies"]) + f" | {r['mean_accuracy']:.3f} | "
+                     + ", ".join("never" if s is None else str(s) for s in r["first_steps_learned"]) + " |")
     return "\n".join(lines) + "\n"
