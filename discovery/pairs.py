@@ -25,10 +25,13 @@ For one task's batch and head table:
    ``verified`` when its joint effect's upper bound lies below the control's 5th percentile (and the
    control has at least 3 pairs; otherwise ``verified`` is null: not testable). A pair is ``confident``
    (the only kind a report calls "G&A pair found") when it is verified *and* both heads look like their
-   roles: P(gather) and P(aggregate) >= ``CONFIDENT_P``, or the evidence stage gave them the roles
-   ``gather`` and ``aggregate`` (pattern and effect at the right positions, the aggregate head reading
-   the gather head). Two important heads that are not G&A heads also beat random pairs under joint
-   ablation, so verification alone is no G&A evidence.
+   roles. Where the evidence stage ran, its roles decide: ``gather`` and ``aggregate`` (pattern and effect
+   at the right positions, the aggregate head reading the gather head). Without it, the classifier does:
+   P(gather) and P(aggregate) >= ``CONFIDENT_P``. The evidence overrules the classifier both ways: on
+   SmolLM2 it found gather heads the classifier gave P < 0.02; on a toy Mamba-2 the classifier gave
+   P >= 0.5 to two SSM heads that matter at the right positions but whose implicit attention is not
+   selective, and the report called them a G&A pair under a "no G&A" verdict. Two important heads that
+   are not G&A heads also beat random pairs under joint ablation, so verification alone is no G&A evidence.
 
 Effects are in logit-difference units (ablated − clean; negative = the pair helps).
 """
@@ -262,10 +265,14 @@ def _pair_summary(r: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def is_confident(r: Mapping[str, Any]) -> bool:
-    """Verified against random same-layer pairs, and both heads look like their roles (module docstring)."""
-    by_classifier = (r.get("p_gather") or 0.0) >= CONFIDENT_P and (r.get("p_aggregate") or 0.0) >= CONFIDENT_P
-    by_evidence = r.get("gather_role") == "gather" and r.get("aggregate_role") == "aggregate"
-    return r.get("verified") is True and (by_classifier or by_evidence)
+    """Verified against random same-layer pairs, and both heads look like their roles: by the evidence
+    stage's roles where it ran, else by the classifier's probabilities (module docstring)."""
+    if r.get("verified") is not True:
+        return False
+    roles = (r.get("gather_role"), r.get("aggregate_role"))
+    if any(role is not None for role in roles):
+        return roles == ("gather", "aggregate")
+    return (r.get("p_gather") or 0.0) >= CONFIDENT_P and (r.get("p_aggregate") or 0.0) >= CONFIDENT_P
 
 
 def merge_fields(per_task: Sequence[Mapping[str, Any]], k: int = 3) -> dict[str, Any]:

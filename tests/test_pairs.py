@@ -113,7 +113,12 @@ def test_a_pair_is_confident_only_when_verified_and_its_heads_look_like_g_and_a(
     base = {"verified": True, "p_gather": 0.1, "p_aggregate": 0.1, "gather_role": "other_important",
             "aggregate_role": "other_important"}
     assert not is_confident(base)  # two important heads beat random pairs: not G&A evidence
-    assert is_confident({**base, "p_gather": 0.9, "p_aggregate": 0.6})  # the classifier sees the roles
+    no_evidence = {**base, "gather_role": None, "aggregate_role": None}
+    assert is_confident({**no_evidence, "p_gather": 0.9, "p_aggregate": 0.6})  # the classifier sees the roles
+    assert not is_confident({**no_evidence, "p_gather": 0.9, "p_aggregate": 0.4})
+    # where the evidence stage ran, its roles overrule the classifier (a toy Mamba-2's important SSM heads
+    # had P >= 0.5 but unselective patterns)
+    assert not is_confident({**base, "p_gather": 0.9, "p_aggregate": 0.6})
     assert is_confident({**base, "gather_role": "gather", "aggregate_role": "aggregate"})  # the evidence stage does
     assert not is_confident({**base, "gather_role": "gather", "aggregate_role": "aggregate", "verified": False})
     assert not is_confident({**base, "p_gather": 0.9, "p_aggregate": 0.9, "verified": None})
