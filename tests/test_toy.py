@@ -381,3 +381,5 @@ def test_placement_check_trains_one_hybrid_per_layer_and_resumes(tmp_path, capsy
     assert "layer 1 (recommended)" in capsys.readouterr().out
     assert main([*args[:-2], "--layers", "3", "--task-option", "option_words=2"]) == 2
     assert "the scanned model has 4 layers" in capsys.readouterr().err
+    assert main([*args, "--lr", "0.001"]) == 2  # a finished run of another recipe is never reused
+    assert "trained with another recipe (lr differ)" in capsys.readouterr().err

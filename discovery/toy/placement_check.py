@@ -52,12 +52,11 @@ def check_placement(scan_dir: str | Path, base: TrainConfig, root: str | Path, *
     scanned model's depth, since the advice names that model's layers.
     """
     from ..io import write_json, write_text
+    from ..report import read_scan
     from .trainer import train
 
     root = Path(root)
     ranking = layer_ranking(scan_dir)
-    from ..report import read_scan
-
     depth = int(read_scan(scan_dir).summary["n_layers"])
     if base.layers != depth:
         raise GascanError(f"the scanned model has {depth} layers but the hybrids would have {base.layers}",
@@ -75,7 +74,9 @@ def check_placement(scan_dir: str | Path, base: TrainConfig, root: str | Path, *
             out = run_dir(root, layer, seed)
             cfg = replace(base, arch="hybrid", attn_layers=[layer], seed=seed).validate()
             meta_path = out / "training.json"
-            if not meta_path.exists():
+            if meta_path.exists():
+                _check_same_recipe(meta_path, cfg)
+            else:
                 if progress:
                     progress(f"training the hybrid with attention at layer {layer}, seed {seed}")
                 train(cfg, out, progress=show_bars, overwrite=True)
@@ -85,6 +86,18 @@ def check_placement(scan_dir: str | Path, base: TrainConfig, root: str | Path, *
     write_json(root / "placement_check.json", table)
     write_text(root / "placement_check.md", placement_markdown(table))
     return table
+
+
+def _check_same_recipe(meta_path: Path, cfg: TrainConfig) -> None:
+    """A finished run is reused only when it was trained with this recipe (thread count aside)."""
+    import json
+
+    done = json.loads(meta_path.read_text(encoding="utf-8")).get("config") or {}
+    want = cfg.to_dict()
+    differ = sorted(k for k in want if k != "threads" and done.get(k) != want[k])
+    if differ:
+        raise GascanError(f"{meta_path.parent} was trained with another recipe ({', '.join(differ)} differ)",
+                          "use a new --out for a new recipe, or the same options to resume")
 
 
 def _read_run(meta_path: Path) -> dict[str, Any]:
