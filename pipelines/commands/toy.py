@@ -1,4 +1,5 @@
-"""``gascan toy train``: train a small model in which G&A can emerge, deterministically.
+"""``gascan toy train|truth|placement``: train a small model in which G&A can emerge (deterministically),
+label its heads by exhaustive ablation, and check placement advice by training one hybrid per layer.
 
 Arguments are only parsed here; validation lives in :class:`discovery.toy.TrainConfig` (one-line
 errors before any heavy import) and the work in :func:`discovery.toy.trainer.train`.
@@ -133,15 +134,13 @@ def run_train(args: argparse.Namespace) -> int:
 
 def run_placement(args: argparse.Namespace) -> int:
     """``gascan toy placement``: train hybrids with attention at each layer and compare (placement_check)."""
-    from discovery.toy.placement_check import check_placement
+    from discovery.toy.placement_check import check_placement, placement_markdown
 
     cfg = config_from_args(args)
     layers = None if args.try_layers is None else _int_list(args.try_layers, "--try-layers")
     seeds = _int_list(args.seeds, "--seeds")
     table = check_placement(args.scan, cfg, args.out, layers=layers, seeds=seeds,
                             progress=None if args.quiet else print, show_bars=not args.quiet)
-    from discovery.toy.placement_check import placement_markdown
-
     print(placement_markdown(table), end="")
     print(f"wrote {args.out / 'placement_check.json'} and {args.out / 'placement_check.md'}")
     return 0
