@@ -72,20 +72,19 @@ def labels_from_truth(path: str | Path, model: str | None = None) -> list[dict[s
     name = model or data.get("model") or p.parent.name
     if isinstance(data.get("labels"), list):
         return [{**rec, "model": rec.get("model") or name} for rec in data["labels"]]
+    checkpoint = {"checkpoint": data["checkpoint"]} if data.get("checkpoint") else {}
     out = []
     for role in ("gather", "aggregate"):
         for head in data.get(role) or []:
             out.append({"model": name, "layer": int(head["layer"]), "head": int(head.get("head", head.get("index"))),
-                        "kind": head.get("kind", "attn"), "role": role,
-                        **({"checkpoint": data["checkpoint"]} if data.get("checkpoint") else {})})
+                        "kind": head.get("kind", "attn"), "role": role, **checkpoint})
     # an exhaustive truth (``gascan toy truth``) lists every head it tested: the others are known
     # negatives, so a model without G&A (a negative fixture) still counts as labelled
     labelled = {(r["layer"], r["head"], r["kind"]) for r in out}
     for head in data.get("heads") or []:
         key = (int(head["layer"]), int(head["head"]), head.get("kind", "attn"))
         if key not in labelled:
-            out.append({"model": name, "layer": key[0], "head": key[1], "kind": key[2], "role": "none",
-                        **({"checkpoint": data["checkpoint"]} if data.get("checkpoint") else {})})
+            out.append({"model": name, "layer": key[0], "head": key[1], "kind": key[2], "role": "none", **checkpoint})
     if not out:
         raise GascanError(f"{p} names no gather or aggregate heads and lists no tested heads",
                           "regenerate it with `gascan toy truth`")

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from ..errors import GascanError, TaskError
 
@@ -133,13 +134,8 @@ class Facts:
         pick = torch.randint(len(self.ids), (n_rows, per_row), generator=gen)  # [rows, per_row]
         rows = [torch.cat([self.ids[i] for i in r.tolist()]) for r in pick]
         labs = [torch.cat([self.labels[i] for i in r.tolist()]) for r in pick]
-        width = max(len(r) for r in rows)
-        ids = torch.full((n_rows, width), pad_id, dtype=torch.long)
-        labels = torch.full((n_rows, width), -100, dtype=torch.long)
-        for i, (r, lab) in enumerate(zip(rows, labs)):
-            ids[i, : len(r)] = r
-            labels[i, : len(lab)] = lab
-        return ids, labels
+        return (pad_sequence(rows, batch_first=True, padding_value=pad_id),  # right padding
+                pad_sequence(labs, batch_first=True, padding_value=-100))
 
 
 def category_facts(tokenizer, options: dict[str, Any]) -> Facts:

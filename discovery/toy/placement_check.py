@@ -25,6 +25,11 @@ LEARNED = 0.9  # test accuracy at which a run counts as having learned the task 
 
 def layer_ranking(scan_dir: str | Path) -> list[dict[str, Any]]:
     """Every layer of a scan ranked by ``gascan place`` (unit layer), best first: layer, score, why."""
+    return _ranked_layers(scan_dir)[0]
+
+
+def _ranked_layers(scan_dir: str | Path) -> tuple[list[dict[str, Any]], int]:
+    """:func:`layer_ranking` and the scanned model's depth, from one read of the scan."""
     from ..placement import place
     from ..report import read_scan, scored_heads
 
@@ -36,7 +41,7 @@ def layer_ranking(scan_dir: str | Path) -> list[dict[str, Any]]:
     if not choices:
         raise GascanError(f"{scan_dir} has no effects or probabilities to place attention by",
                           "scan the model with ablation (gascan scan without --ablation none)")
-    return [{"layer": c.layer, "score": c.score, "why": c.why} for c in choices]
+    return [{"layer": c.layer, "score": c.score, "why": c.why} for c in choices], n_layers
 
 
 def run_dir(root: Path, layer: int, seed: int) -> Path:
@@ -52,12 +57,10 @@ def check_placement(scan_dir: str | Path, base: TrainConfig, root: str | Path, *
     scanned model's depth, since the advice names that model's layers.
     """
     from ..io import write_json, write_text
-    from ..report import read_scan
     from .trainer import train
 
     root = Path(root)
-    ranking = layer_ranking(scan_dir)
-    depth = int(read_scan(scan_dir).summary["n_layers"])
+    ranking, depth = _ranked_layers(scan_dir)
     if base.layers != depth:
         raise GascanError(f"the scanned model has {depth} layers but the hybrids would have {base.layers}",
                           f"pass --layers {depth} so the advice's layer numbers mean the same layers")
@@ -74,13 +77,11 @@ def check_placement(scan_dir: str | Path, base: TrainConfig, root: str | Path, *
             out = run_dir(root, layer, seed)
             cfg = replace(base, arch="hybrid", attn_layers=[layer], seed=seed).validate()
             meta_path = out / "training.json"
-            if meta_path.exists():
-                _check_same_recipe(meta_path, cfg)
-            else:
+            if not meta_path.exists():
                 if progress:
                     progress(f"training the hybrid with attention at layer {layer}, seed {seed}")
                 train(cfg, out, progress=show_bars, overwrite=True)
-            runs.append({"layer": layer, "seed": seed, "dir": str(out), **_read_run(meta_path)})
+            runs.append({"layer": layer, "seed": seed, "dir": str(out), **_read_run(meta_path, cfg)})
     table = _summarise(ranking, runs, layers, list(seeds), base)
     root.mkdir(parents=True, exist_ok=True)
     write_json(root / "placement_check.json", table)
@@ -88,22 +89,16 @@ def check_placement(scan_dir: str | Path, base: TrainConfig, root: str | Path, *
     return table
 
 
-def _check_same_recipe(meta_path: Path, cfg: TrainConfig) -> None:
-    """A finished run is reused only when it was trained with this recipe (thread count aside)."""
+def _read_run(meta_path: Path, cfg: TrainConfig) -> dict[str, Any]:
+    """A finished run's figures; it is reused only when it was trained with ``cfg`` (thread count aside)."""
     import json
 
-    done = json.loads(meta_path.read_text(encoding="utf-8")).get("config") or {}
-    want = cfg.to_dict()
+    meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    done, want = meta.get("config") or {}, cfg.to_dict()
     differ = sorted(k for k in want if k != "threads" and done.get(k) != want[k])
     if differ:
         raise GascanError(f"{meta_path.parent} was trained with another recipe ({', '.join(differ)} differ)",
                           "use a new --out for a new recipe, or the same options to resume")
-
-
-def _read_run(meta_path: Path) -> dict[str, Any]:
-    import json
-
-    meta = json.loads(meta_path.read_text(encoding="utf-8"))
     reached = [h["step"] for h in meta.get("history") or [] if h["test_accuracy"] >= LEARNED]
     return {"test_accuracy": meta["test_accuracy"], "steps": meta["steps"], "train_seconds": meta["train_seconds"],
             "first_step_learned": reached[0] if reached else None, "command": meta["command"]}
