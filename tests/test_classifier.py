@@ -205,6 +205,24 @@ def test_shipped_classifier_finds_the_bundled_toys_heads_it_never_saw():
     assert score["pair_in_top3"] is True
 
 
+def test_shipped_classifier_ranks_the_mamba2_toys_ssm_aggregate_head_first():
+    """Out of sample, across architectures: the shipped classifier (trained on attention-only planted
+    circuits) on the committed scan of the bundled Mamba-2 toy ranks the true SSM aggregate head first,
+    with no false positive at the 0.5 threshold."""
+    from discovery.classifier import label_rows, load_tables, score_labelled
+    from discovery.classifier_data import labels_for_dirs
+
+    scan = Path(__file__).resolve().parents[1] / "reports" / "toy-mc-mamba2"
+    clf = load_classifier()
+    assert not any("mamba" in m for m in clf.meta["trained_on"])
+    table = label_rows(load_tables([str(scan)]), labels_for_dirs([scan]))
+    roles = table["role_label"].to_numpy()
+    assert (roles == "aggregate").sum() == 1 and set(table["kind"]) == {"ssm"}  # from the bundled truth.json
+    score = score_labelled(clf, table)
+    assert score["aggregate_best_rank"] == 1
+    assert score["aggregate_false_positives"] == 0 and score["gather_false_positives"] == 0
+
+
 def test_labels_from_ground_truth_files(tmp_path):
     from discovery.classifier_data import derive_truth, labels_from_truth
 

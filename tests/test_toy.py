@@ -210,6 +210,26 @@ def test_bundled_model_truth_has_a_gather_head_feeding_aggregate_heads(tmp_path,
     assert "gather: L1H0" in capsys.readouterr().err
 
 
+def test_bundled_mamba2_toy_has_an_ssm_aggregate_head(tmp_path, capsys):
+    """The bundled Mamba-2 toy (labels before the options): >= 95% on new prompts, and its truth,
+    recomputed on new prompts, has exactly one aggregate head, the SSM head L1S0, whose query
+    selects the gold option on every prompt while every other head that matters is near chance."""
+    path = bundled_model_path("mc-mamba2")
+    meta = json.loads((path / "training.json").read_text())
+    assert meta["arch"] == "mamba2" and meta["task_options"]["option_template"].startswith("{label}")
+    assert _fresh_accuracy(path) >= 0.95
+    assert not [p for p in path.rglob("*") if p.suffix in (".bin", ".pt", ".pkl", ".pth")]
+    out = tmp_path / "truth.json"
+    assert main(["toy", "truth", "bundled:mc-mamba2", "--prompts", "64", "--seed", "11", "--out", str(out)]) == 0
+    truth = json.loads(out.read_text())
+    assert truth["clean"]["acc"] >= 0.95
+    assert truth["aggregate"] == [{"layer": 1, "head": 0, "kind": "ssm"}]
+    assert truth["pattern_margin"]["aggregate"]["difference"] >= 0.5
+    by_name = {(r["layer"], r["head"]): r for r in truth["heads"]}
+    assert by_name[(1, 0)]["d_ld_query"] <= -0.4 * truth["clean"]["logit_diff"]  # its effect lives at the query
+    assert "aggregate: L1S0" in capsys.readouterr().err
+
+
 def test_bundled_checkpoint_series_climbs_from_chance():
     series = bundled_checkpoints()
     steps = [int(p.name.split("-")[1]) for p in series]
