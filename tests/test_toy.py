@@ -82,7 +82,8 @@ def test_saved_directories_load_offline_with_single_token_labels(runs):
     assert not list(runs["a"].glob("**/*.bin")) and not list(runs["a"].glob("**/.*tmp*"))
 
 
-@pytest.mark.parametrize("arch,extra", [("mamba2", {}), ("hybrid", {"attn_layers": [1]})])
+@pytest.mark.parametrize("arch,extra", [("mamba2", {}), ("mamba2", {"conv_kernel": 2}),
+                                        ("hybrid", {"attn_layers": [1], "conv_kernel": 2})])
 def test_ssm_and_hybrid_runs_save_and_reload(tmp_path, arch, extra):
     from transformers import AutoModelForCausalLM
 
@@ -92,8 +93,11 @@ def test_ssm_and_hybrid_runs_save_and_reload(tmp_path, arch, extra):
     assert type(model).__name__ == {"mamba2": "Mamba2ForCausalLM", "hybrid": "BambaForCausalLM"}[arch]
     if arch == "hybrid":
         assert model.config.attn_layer_indices == [1]
+    convs = [m for m in model.modules() if isinstance(m, torch.nn.Conv1d)]
+    assert convs and {c.kernel_size[0] for c in convs} == {extra.get("conv_kernel", 4)}
     meta = json.loads((tmp_path / arch / "training.json").read_text())
     assert meta["arch"] == arch and result.steps == 3 and 0.0 <= meta["test_accuracy"] <= 1.0
+    assert ("--conv-kernel 2" in meta["command"]) == ("conv_kernel" in extra)
 
 
 def test_subject_curriculum_admits_1_2_4_subjects_then_all(tmp_path):

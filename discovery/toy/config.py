@@ -38,6 +38,10 @@ class TrainConfig:
     mlp_ratio: int = 2  # intermediate size = mlp_ratio * width (transformer and hybrid); 0 = no MLP
     ssm_heads: int = 8  # Mamba-2 heads per SSM layer (head dim = 2 * width / ssm_heads)
     ssm_state: int = 32
+    # Width of the Mamba-2 causal convolution (Mamba's default 4). Stacked width-4 convolutions reach
+    # 3 tokens back per layer, enough to move an option's label to its last token without any SSM
+    # head; a narrower one leaves longer-range moves to the SSM heads.
+    conv_kernel: int = 4
     attn_layers: list[int] | None = None  # hybrid only; default: the middle layer
     task_options: dict[str, Any] = field(default_factory=dict)
     # Curriculum over question subjects (mc): train on questions about 1 subject first and double the
@@ -73,7 +77,7 @@ class TrainConfig:
             raise GascanError(f"unknown toy architecture {self.arch!r}", f"use one of: {', '.join(ARCHES)}")
         if self.task not in TASKS:
             raise GascanError(f"unknown toy task {self.task!r}", f"use one of: {', '.join(TASKS)}")
-        for name in ("steps", "batch_size", "layers", "heads", "width", "ssm_heads", "ssm_state",
+        for name in ("steps", "batch_size", "layers", "heads", "width", "ssm_heads", "ssm_state", "conv_kernel",
                      "vocab_size", "train_size", "test_size", "eval_every", "threads"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

@@ -43,7 +43,7 @@ def mamba2_config(cfg: TrainConfig, special: dict[str, int]):
 
     return Mamba2Config(
         **_common(cfg, special), num_heads=cfg.ssm_heads, head_dim=2 * cfg.width // cfg.ssm_heads,
-        expand=2, n_groups=1, state_size=cfg.ssm_state, conv_kernel=4, chunk_size=32,
+        expand=2, n_groups=1, state_size=cfg.ssm_state, conv_kernel=cfg.conv_kernel, chunk_size=32,
     )
 
 
@@ -57,7 +57,7 @@ def hybrid_config(cfg: TrainConfig, special: dict[str, int]):
         num_attention_heads=cfg.heads, num_key_value_heads=cfg.heads, max_position_embeddings=1024,
         attn_layer_indices=cfg.hybrid_attn_layers(), mamba_n_heads=cfg.ssm_heads,
         mamba_d_head=2 * cfg.width // cfg.ssm_heads, mamba_n_groups=1, mamba_d_state=cfg.ssm_state,
-        mamba_expand=2, mamba_chunk_size=32,
+        mamba_expand=2, mamba_chunk_size=32, mamba_d_conv=cfg.conv_kernel,
     )
 
 

@@ -217,7 +217,7 @@ def command_line(cfg: TrainConfig, out: Path | str) -> str:
     parts = ["gascan", "toy", "train", "--arch", cfg.arch, "--task", cfg.task, "--seed", str(cfg.seed),
              "--out", str(out), "--steps", str(cfg.steps)]
     for name in ("batch_size", "lr", "weight_decay", "decay_steps", "init_std", "layers", "heads", "width", "mlp_ratio",
-                 "ssm_heads", "ssm_state", "induction_weight", "induction_length", "induction_steps", "knowledge_weight",
+                 "ssm_heads", "ssm_state", "conv_kernel", "induction_weight", "induction_length", "induction_steps", "knowledge_weight",
                  "knowledge_facts", "vocab_size", "train_size", "test_size", "eval_every",
                  "save_every", "time_budget", "threads"):
         value = getattr(cfg, name)
