@@ -217,7 +217,7 @@ def test_bundled_model_truth_has_a_gather_head_feeding_aggregate_heads(tmp_path,
 def test_bundled_mamba2_toy_has_an_ssm_aggregate_head(tmp_path, capsys):
     """The bundled Mamba-2 toy (labels before the options): >= 95% on new prompts, and its truth,
     recomputed on new prompts, has exactly one aggregate head, the SSM head L1S0, whose query
-    selects the gold option on every prompt while every other head that matters is near chance."""
+    selects the gold option on every prompt, at least 0.5 more often than any other head that matters."""
     path = bundled_model_path("mc-mamba2")
     meta = json.loads((path / "training.json").read_text())
     assert meta["arch"] == "mamba2" and meta["task_options"]["option_template"].startswith("{label}")
