@@ -100,6 +100,24 @@ def test_ssm_and_hybrid_runs_save_and_reload(tmp_path, arch, extra):
     assert ("--conv-kernel 2" in meta["command"]) == ("conv_kernel" in extra)
 
 
+def test_recorded_command_reproduces_every_setting():
+    """training.json's command, parsed by the CLI, gives back the same config (every setting has a flag)."""
+    import shlex
+
+    from discovery.toy.trainer import command_line
+    from pipelines.cli import build_parser
+    from pipelines.commands.toy import config_from_args
+
+    cfg = TrainConfig(arch="hybrid", batch_size=7, lr=0.003, weight_decay=0.02, decay_steps=5, init_std=0.05, layers=3,
+                      heads=2, width=64, mlp_ratio=1, ssm_heads=4, ssm_state=8, conv_kernel=2, attn_layers=[1],
+                      curriculum_steps=9, induction_weight=0.5, induction_length=8, induction_steps=3,
+                      knowledge_weight=0.5, knowledge_facts=4, vocab_size=500, train_size=300, test_size=20,
+                      eval_every=5, save_every=10, save_at=[4], time_budget=60.0, threads=2,
+                      task_options={"option_words": "3", "option_template": "{label}: {choice} "})
+    argv = shlex.split(command_line(cfg, "/tmp/out"))[1:]
+    assert config_from_args(build_parser().parse_args(argv)).to_dict() == cfg.to_dict()
+
+
 def test_subject_curriculum_admits_1_2_4_subjects_then_all(tmp_path):
     cfg = tiny_cfg(steps=9, eval_every=3, curriculum_steps=3)
     assert [cfg.subjects_at(s, 16) for s in (0, 2, 3, 6, 9, 12, 100)] == [1, 1, 2, 4, 8, 16, 16]

@@ -94,9 +94,9 @@ def _read_run(meta_path: Path, cfg: TrainConfig) -> dict[str, Any]:
     import json
 
     meta = json.loads(meta_path.read_text(encoding="utf-8"))
-    done, want = meta.get("config") or {}, cfg.to_dict()
-    default = TrainConfig().to_dict()  # a setting added after the run was trained had its default then
-    differ = sorted(k for k in want if k != "threads" and done.get(k, default[k]) != want[k])
+    # from_dict: a setting added after the run was trained gets its default, the value it had then
+    done, want = TrainConfig.from_dict(meta.get("config") or {}).to_dict(), cfg.to_dict()
+    differ = sorted(k for k in want if k != "threads" and done[k] != want[k])
     if differ:
         raise GascanError(f"{meta_path.parent} was trained with another recipe ({', '.join(differ)} differ)",
                           "use a new --out for a new recipe, or the same options to resume")

@@ -211,15 +211,19 @@ def save_model_dir(model, tokenizer, meta: dict[str, Any], dest: Path, keep: Pat
     return dest
 
 
+# settings command_line writes first (arch, task, seed, steps), formats itself (lists, task options) or
+# that have no command-line flag (grad_clip)
+_NOT_SCALAR_FLAGS = frozenset({"arch", "task", "seed", "steps", "attn_layers", "save_at", "task_options", "grad_clip"})
+
+
 def command_line(cfg: TrainConfig, out: Path | str) -> str:
     """The ``gascan toy train`` command that reproduces ``cfg`` (non-default options only)."""
     default = TrainConfig()
     parts = ["gascan", "toy", "train", "--arch", cfg.arch, "--task", cfg.task, "--seed", str(cfg.seed),
              "--out", str(out), "--steps", str(cfg.steps)]
-    for name in ("batch_size", "lr", "weight_decay", "decay_steps", "init_std", "layers", "heads", "width", "mlp_ratio",
-                 "ssm_heads", "ssm_state", "conv_kernel", "induction_weight", "induction_length", "induction_steps", "knowledge_weight",
-                 "knowledge_facts", "vocab_size", "train_size", "test_size", "eval_every",
-                 "save_every", "time_budget", "threads"):
+    for name in TrainConfig.__dataclass_fields__:  # every scalar setting, so a new one needs no edit here
+        if name in _NOT_SCALAR_FLAGS:
+            continue
         value = getattr(cfg, name)
         if value != getattr(default, name):
             parts += [f"--{name.replace('_', '-')}", str(value)]
@@ -227,8 +231,6 @@ def command_line(cfg: TrainConfig, out: Path | str) -> str:
         parts += ["--attn-layers", ",".join(map(str, cfg.attn_layers))]
     if cfg.save_at:
         parts += ["--save-at", ",".join(map(str, sorted(cfg.save_at)))]
-    if cfg.curriculum_steps:
-        parts += ["--curriculum-steps", str(cfg.curriculum_steps)]
     for key, value in cfg.task_options.items():
         text = value.replace("\\", "\\\\").replace("\n", "\\n").replace("\t", "\\t") if isinstance(value, str) \
             else json.dumps(value)
