@@ -21,7 +21,9 @@ zero on every real key gives NaN. The raw signed values are not used by any metr
 **Segments.** A segment is the token span ``[seg_start, seg_end)``; its summary token
 ``summary_pos`` lies inside it. Gather metrics read each segment's summary row and look at the
 segment's *other* tokens (the summary token excluded); a segment with no other token gives NaN
-for that segment, and a prompt's value is the NaN-mean over its segments. Aggregate metrics read
+for that segment, and a prompt's value is the NaN-mean over its segments. ``gather_cross`` reads
+the same rows and looks at the *other* segments' tokens instead (NaN for a segment with no earlier
+segment, such as the first). Aggregate metrics read
 the query row (``query_pos``). Metrics that compare the gold segment with distractors
 (``agg_select``, ``agg_margin``, ``selectivity``) need at least two segments (NaN otherwise: with
 one segment, e.g. ``niah``'s needle, they are trivially perfect; use ``agg_focus_segment`` there).
@@ -43,6 +45,8 @@ METRICS: Mapping[str, str] = MappingProxyType({
                     "mean over segments",
     "gather_entropy": "normalised entropy (0 focused .. 1 uniform) of the summary token's "
                       "within-segment attention",
+    "gather_cross": "mass from each segment's summary token onto earlier segments' tokens, mean over the "
+                    "segments that have one (high: the summary reads another segment, not its own)",
     "agg_focus": "mass from the query position onto the gold segment's summary token",
     "agg_focus_segment": "mass from the query position onto the whole gold segment",
     "agg_select": "1 if the gold segment gets strictly the most query mass of all segments, else 0 "
@@ -56,8 +60,8 @@ METRICS: Mapping[str, str] = MappingProxyType({
 """Metric name -> one-line description (table columns, report legends). Read-only."""
 
 PATTERN_METRICS: tuple[str, ...] = (
-    "gather_score", "gather_entropy", "agg_focus", "agg_focus_segment", "agg_select", "agg_margin",
-    "selectivity",
+    "gather_score", "gather_entropy", "gather_cross", "agg_focus", "agg_focus_segment", "agg_select",
+    "agg_margin", "selectivity",
 )
 """The metrics :func:`pattern_metrics` computes from one pattern on the prompt itself."""
 
@@ -127,8 +131,8 @@ def _gold_index(batch: AnnotatedBatch, device: torch.device) -> tuple[Tensor, Te
 # ---------------------------------------------------------------------------------------------
 
 
-def _gather_parts(pattern: Tensor, batch: AnnotatedBatch) -> tuple[Tensor, Tensor]:
-    """``(gather_score, gather_entropy)``, each ``[batch, head]``."""
+def _gather_parts(pattern: Tensor, batch: AnnotatedBatch) -> tuple[Tensor, Tensor, Tensor]:
+    """``(gather_score, gather_entropy, gather_cross)``, each ``[batch, head]``."""
     _check(pattern, batch)
     device = pattern.device
     p = pattern.to(_work_dtype(pattern))
@@ -148,12 +152,27 @@ def _gather_parts(pattern: Tensor, batch: AnnotatedBatch) -> tuple[Tensor, Tenso
     log_n = torch.log(n_other.to(w.dtype).clamp(min=1))[:, None, :]  # [batch, 1, seg]
     ok = (n_other >= 2)[:, None, :] & (mass > 0)  # [batch, head, seg]
     entropy = torch.where(ok, entropy / log_n.clamp(min=torch.finfo(w.dtype).tiny), nan)
-    return score.nanmean(-1), entropy.nanmean(-1)
+    # keys of the other segments that the summary token can see (causally: the earlier segments)
+    any_segment = inside.any(1)  # [batch, k]
+    elsewhere = (any_segment[:, None, :] & ~inside & (keys[None, None, :] < summary[:, :, None])
+                 & key_mask[:, None, :] & batch.seg_mask.to(device)[:, :, None])  # [batch, seg, k]
+    cross_mass = (w * elsewhere[:, None].to(w.dtype)).sum(-1)  # [batch, head, seg]
+    cross = torch.where((elsewhere.sum(-1) > 0)[:, None, :], cross_mass, nan)  # [batch, head, seg]
+    return score.nanmean(-1), entropy.nanmean(-1), cross.nanmean(-1)
 
 
 def gather_score(pattern: Tensor, batch: AnnotatedBatch) -> Tensor:
     """``[batch, head]``: mass from each summary token onto its segment's other tokens, mean over segments."""
     return _gather_parts(pattern, batch)[0]
+
+
+def gather_cross(pattern: Tensor, batch: AnnotatedBatch) -> Tensor:
+    """``[batch, head]``: mass from each summary token onto earlier segments' tokens, mean over segments.
+
+    Tells a head that reads *another* option from its summary token (for example the first option's
+    label, read from every option) apart from one that reads nothing: both have a low gather score.
+    """
+    return _gather_parts(pattern, batch)[2]
 
 
 def gather_entropy(pattern: Tensor, batch: AnnotatedBatch) -> Tensor:
@@ -250,8 +269,8 @@ def selectivity(pattern: Tensor, batch: AnnotatedBatch) -> Tensor:
 
 def pattern_metrics(pattern: Tensor, batch: AnnotatedBatch) -> dict[str, Tensor]:
     """Every metric of :data:`PATTERN_METRICS` for one pattern, each ``[batch, head]``."""
-    score, entropy = _gather_parts(pattern, batch)
-    return {"gather_score": score, "gather_entropy": entropy, **_agg_parts(pattern, batch)}
+    score, entropy, cross = _gather_parts(pattern, batch)
+    return {"gather_score": score, "gather_entropy": entropy, "gather_cross": cross, **_agg_parts(pattern, batch)}
 
 
 def summarise(values: Mapping[str, Tensor]) -> dict[str, Tensor]:

@@ -27,8 +27,6 @@ from discovery.tasks.base import AnnotatedBatch, annotate
 
 ABLATION_MODES = ("exact", "query", "atp", "none")
 EFFECT_METRICS = {"logit_diff": "ld", "acc": "acc", "gold_logprob": "lp"}
-PATTERN_METRICS = ("gather_score", "gather_entropy", "agg_focus", "agg_focus_segment", "agg_select",
-                   "agg_margin", "selectivity")
 TABLE_VERSION = 1
 
 

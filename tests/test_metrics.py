@@ -80,6 +80,9 @@ def test_hand_pattern_gives_hand_computed_values() -> None:
         "gather_score": [(1 + 0.5 + 1) / 3, (2 / 4 + 2 / 7 + 1 / 9) / 3],
         # head 0: 1 (uniform over 2), 0 (all on the previous token), NaN (one other token)
         "gather_entropy": [0.5, 1.0],
+        # segment 0 has no earlier segment (NaN); head 0 reads key 0 (no segment), 5, 7: nothing elsewhere;
+        # head 1 (uniform causal): 3 of segment 1's 7 keys lie in segment 0, 6 of segment 2's 9 in 0 and 1
+        "gather_cross": [0.0, (3 / 7 + 6 / 9) / 2],
     }
     for name, want in expected.items():
         assert close(got[name][0], want), (name, got[name], want)

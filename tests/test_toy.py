@@ -235,7 +235,8 @@ def test_bundled_model_truth_has_a_gather_head_feeding_aggregate_heads(tmp_path,
 def test_bundled_mamba2_toy_has_an_ssm_aggregate_head(tmp_path, capsys):
     """The bundled Mamba-2 toy (labels before the options): >= 95% on new prompts, and its truth,
     recomputed on new prompts, has exactly one aggregate head, the SSM head L1S0, whose query
-    selects the gold option on every prompt, at least 0.5 more often than any other head that matters."""
+    selects the gold option on every prompt, at least 0.5 more often than any other head that matters;
+    the head that matters at the segments reads another option's tokens, not its own."""
     path = bundled_model_path("mc-mamba2")
     meta = json.loads((path / "training.json").read_text())
     assert meta["arch"] == "mamba2" and meta["task_options"]["option_template"].startswith("{label}")
@@ -249,7 +250,14 @@ def test_bundled_mamba2_toy_has_an_ssm_aggregate_head(tmp_path, capsys):
     assert truth["pattern_margin"]["aggregate"]["difference"] >= 0.5
     by_name = {(r["layer"], r["head"]): r for r in truth["heads"]}
     assert by_name[(1, 0)]["d_ld_query"] <= -0.4 * truth["clean"]["logit_diff"]  # its effect lives at the query
-    assert "aggregate: L1S0" in capsys.readouterr().err
+    # the head that matters at the segments (L0S3) is no gatherer: from every option it reads the
+    # first option's label, so its gather score stays low and its cross-segment mass is high
+    segment_head = by_name[(0, 3)]
+    assert segment_head["role"] == "other_important"
+    assert segment_head["d_ld_segment"] <= -0.4 * truth["clean"]["logit_diff"]
+    assert segment_head["gather_score"] < 0.3 and segment_head["gather_cross"] >= 0.9
+    err = capsys.readouterr().err
+    assert "aggregate: L1S0" in err and "other head that breaks the task L0S3" in err
 
 
 def test_bundled_checkpoint_series_climbs_from_chance():

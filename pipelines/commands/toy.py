@@ -194,6 +194,15 @@ def truth_summary(truth: dict) -> str:
     if group:
         lines.append(f"redundant aggregate set {', '.join(map(name, group['heads']))}: joint query ablation "
                      f"{group['d_ld_query_joint']:+.2f} logit diff ({'breaks' if group['breaks_task'] else 'does not break'} the task)")
+    def value(row: dict, key: str) -> str:
+        return "null" if row.get(key) is None else f"{row[key]:.2f}"
+
+    # heads that break the task without a G&A label: where their effect lives and where they read
+    for r in sorted((r for r in truth["heads"] if r["role"] == "other_important"), key=lambda r: r["d_ld_all"]):
+        lines.append(f"other head that breaks the task {name(r)}: logit diff {r['d_ld_all']:+.2f} "
+                     f"(query {r['d_ld_query']:+.2f}, segments {r['d_ld_segment']:+.2f}); gather_score "
+                     f"{value(r, 'gather_score')}, gather_cross {value(r, 'gather_cross')}, "
+                     f"agg_select {value(r, 'agg_select')}")
     for role, m in (truth.get("pattern_margin") or {}).items():
         if m:
             other = "none" if m["strongest_other"] is None else f"{m['strongest_other']:.3f}"
