@@ -797,6 +797,8 @@ def _evidence_text(v: Mapping[str, Any], th: EvidenceThresholds, clean_ld: float
 
     pattern = (f"selectivity {_fmt(_num(row.get('selectivity')))}, agg_select {_fmt(_num(row.get('agg_select')))}, "
                f"gather_score {_fmt(_num(row.get('gather_score')))}")
+    if "gather_cross" in row:  # tables from before the metric existed lack it
+        pattern += f", gather_cross {_fmt(_num(row.get('gather_cross')))}"
     parts = [pattern]
     parts.append("d_ld " + ", ".join(f"{s} {eff(f'd_ld_{s}', clean_ld)}" for s in SCOPE_ABLATIONS
                                      if f"d_ld_{s}" in row) + f" of clean {clean_ld:.2f}")

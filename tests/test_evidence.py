@@ -303,6 +303,22 @@ def test_verdict_rules_on_a_hand_made_table():
     assert at_chance["verdict"] == "none" and "does not do the task" in at_chance["reason"]
 
 
+def test_evidence_text_says_where_the_summary_reads_when_the_table_has_it():
+    """A head acting at the segments that reads another option (high gather_cross) says so in its
+    evidence line; a table from before gather_cross existed still gets a line, without it."""
+    import polars as pl
+
+    from discovery.evidence import verdicts
+
+    clean = {"logit_diff": 4.0, "acc": 0.9, "chance": 0.25}
+    reader = _row(0, 0, gather=0.25, effects={"all": -3.0, "segment": -2.9})
+    roles, _ = verdicts(pl.DataFrame([{**reader, "gather_cross": 0.98}]), None, clean=clean)
+    (text,) = roles["evidence"].to_list()
+    assert "gather_score 0.25, gather_cross 0.98" in text and roles["role"].to_list() == ["other_important"]
+    roles, _ = verdicts(pl.DataFrame([reader]), None, clean=clean)
+    assert "gather_cross" not in roles["evidence"].item() and "gather_score 0.25" in roles["evidence"].item()
+
+
 def test_bad_input_is_one_line_errors():
     import polars as pl
 
