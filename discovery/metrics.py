@@ -23,8 +23,7 @@ zero on every real key gives NaN. The raw signed values are not used by any metr
 segment's *other* tokens (the summary token excluded); a segment with no other token gives NaN
 for that segment, and a prompt's value is the NaN-mean over its segments. ``gather_cross`` reads
 the same rows and looks at the *other* segments' tokens instead (NaN for a segment with no earlier
-segment, such as the first). Aggregate metrics read
-the query row (``query_pos``). Metrics that compare the gold segment with distractors
+segment, such as the first). Aggregate metrics read the query row (``query_pos``). Metrics that compare the gold segment with distractors
 (``agg_select``, ``agg_margin``, ``selectivity``) need at least two segments (NaN otherwise: with
 one segment, e.g. ``niah``'s needle, they are trivially perfect; use ``agg_focus_segment`` there).
 """

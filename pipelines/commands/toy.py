@@ -183,6 +183,9 @@ def truth_summary(truth: dict) -> str:
     def name(d: dict) -> str:
         return head_name(d["layer"], d["head"], d.get("kind", "attn"))
 
+    def value(row: dict, key: str) -> str:
+        return "null" if row.get(key) is None else f"{row[key]:.2f}"
+
     clean = truth["clean"]
     pairs = [f"{name(p['gather'])}->{name(p['aggregate'])} (agg_select {p['agg_select_clean']:.2f} -> "
              f"{p['agg_select_without_gather']:.2f})" for p in truth["pairs"] if p["confirmed"]]
@@ -194,9 +197,6 @@ def truth_summary(truth: dict) -> str:
     if group:
         lines.append(f"redundant aggregate set {', '.join(map(name, group['heads']))}: joint query ablation "
                      f"{group['d_ld_query_joint']:+.2f} logit diff ({'breaks' if group['breaks_task'] else 'does not break'} the task)")
-    def value(row: dict, key: str) -> str:
-        return "null" if row.get(key) is None else f"{row[key]:.2f}"
-
     # heads that break the task without a G&A label: where their effect lives and where they read
     for r in sorted((r for r in truth["heads"] if r["role"] == "other_important"), key=lambda r: r["d_ld_all"]):
         lines.append(f"other head that breaks the task {name(r)}: logit diff {r['d_ld_all']:+.2f} "
