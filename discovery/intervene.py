@@ -223,7 +223,6 @@ class Intervener:
                 from .ssm import mixer_inputs
 
                 sink(*mixer_inputs(args, kwargs))
-            return None
 
         return hook
 

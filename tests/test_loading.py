@@ -239,6 +239,6 @@ def test_bundled_models_have_machine_independent_specs(capsys: pytest.CaptureFix
     from discovery.loading import load_model
 
     assert load_model().spec == "bundled:mc-transformer"  # no spec: the default, named without a path
-    rc, out, err = run_inspect(capsys, "bundled:mc1-transformer")
+    rc, out, _err = run_inspect(capsys, "bundled:mc1-transformer")
     assert rc == 0 and json.loads(out)["n_layers"] == 4
     assert_one_line_error(capsys, ["bundled:nope"], "no bundled toy model 'nope'", "mc1-transformer")

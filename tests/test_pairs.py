@@ -83,7 +83,7 @@ def test_evidence_roles_outrank_classifier_probabilities_in_the_pair_score(plant
     """A head the evidence stage calls gather/aggregate weighs 1 in the pair score, whatever the classifier
     says: with tiny probabilities on the true heads and larger ones on two unrelated heads, the evidence
     pair still ranks first (before the fix the unrelated pair won, 0.05 x 0.05 against 0.01 x 0.01)."""
-    circuit, heads, summary, batch, _ = planted
+    circuit, heads, _summary, batch, _ = planted
     keyed = {(0, 3): (0.01, 0.0, "gather"), (3, 0): (0.0, 0.01, "aggregate"),
              (1, 1): (0.05, 0.0, "none"), (2, 2): (0.0, 0.05, "none")}
     rows = [keyed.get((r["layer"], r["head"]), (0.0, 0.0, "none")) for r in heads.iter_rows(named=True)]

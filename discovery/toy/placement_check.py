@@ -19,7 +19,6 @@ from typing import Any
 from ..errors import GascanError
 from .config import TrainConfig
 
-
 LEARNED = 0.9  # test accuracy at which a run counts as having learned the task (the speed column)
 
 
