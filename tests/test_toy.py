@@ -410,6 +410,7 @@ def test_placement_check_trains_one_hybrid_per_layer_and_resumes(tmp_path, capsy
     assert main(args) == 0
     table = json.loads((out / "placement_check.json").read_text())
     assert table["recommended_layer"] == 1 and [r["layer"] for r in table["rows"]] == [1, 3]
+    assert table["scan"] == str(scan.resolve())  # which scan the advice came from, for a later resume
     for row in table["rows"]:
         meta = json.loads((out / f"attn-L{row['layer']}" / "seed-0" / "training.json").read_text())
         assert meta["model_class"] == "BambaForCausalLM" and meta["config"]["attn_layers"] == [row["layer"]]
@@ -420,7 +421,8 @@ def test_placement_check_trains_one_hybrid_per_layer_and_resumes(tmp_path, capsy
     better = max(by_layer.values(), key=lambda r: r["mean_accuracy"])["mean_accuracy"]
     assert by_layer[table["best_layer"]]["mean_accuracy"] == better
     assert table["recommended_wins"] == (table["best_layer"] == 1)
-    assert "| layer 1 (recommended) | 1 |" in (out / "placement_check.md").read_text()
+    markdown = (out / "placement_check.md").read_text()
+    assert "| layer 1 (recommended) | 1 |" in markdown and f"from the scan {scan.resolve()}." in markdown
 
     def no_training(*a, **k):
         raise AssertionError("a finished run was retrained")

@@ -81,7 +81,7 @@ def check_placement(scan_dir: str | Path, base: TrainConfig, root: str | Path, *
                     progress(f"training the hybrid with attention at layer {layer}, seed {seed}")
                 train(cfg, out, progress=show_bars, overwrite=True)
             runs.append({"layer": layer, "seed": seed, "dir": str(out), **_read_run(meta_path, cfg)})
-    table = _summarise(ranking, runs, layers, list(seeds), base)
+    table = {"scan": str(Path(scan_dir).resolve()), **_summarise(ranking, runs, layers, list(seeds), base)}
     root.mkdir(parents=True, exist_ok=True)
     write_json(root / "placement_check.json", table)
     write_text(root / "placement_check.md", placement_markdown(table))
@@ -136,7 +136,8 @@ def placement_markdown(table: dict[str, Any]) -> str:
     lines = [f"Hybrids with softmax attention at one layer (Mamba-2 elsewhere), {table['steps']} steps, "
              f"seeds {', '.join(map(str, seeds))}. Advice (gascan place, unit layer): layer "
              f"{table['recommended_layer']}; best (mean final accuracy, then speed): layer {table['best_layer']}; the recommended "
-             f"placement {'wins' if table['recommended_wins'] else 'does not win'}.", "",
+             f"placement {'wins' if table['recommended_wins'] else 'does not win'}."
+             + (f" The advice comes from the scan {table['scan']}." if table.get("scan") else ""), "",
              "| attention at | advice rank | advice score | " + " | ".join(f"seed {s}" for s in seeds)
              + f" | mean accuracy | first step at ≥ {table['learned_at']} |",
              "|---|---:|---:|" + "---:|" * len(seeds) + "---:|---|"]
