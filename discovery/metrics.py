@@ -23,9 +23,10 @@ zero on every real key gives NaN. The raw signed values are not used by any metr
 segment's *other* tokens (the summary token excluded); a segment with no other token gives NaN
 for that segment, and a prompt's value is the NaN-mean over its segments. ``gather_cross`` reads
 the same rows and looks at the *other* segments' tokens instead (NaN for a segment with no earlier
-segment, such as the first). Aggregate metrics read the query row (``query_pos``). Metrics that compare the gold segment with distractors
-(``agg_select``, ``agg_margin``, ``selectivity``) need at least two segments (NaN otherwise: with
-one segment, e.g. ``niah``'s needle, they are trivially perfect; use ``agg_focus_segment`` there).
+segment, such as the first). Aggregate metrics read the query row (``query_pos``). Metrics that
+compare the gold segment with distractors (``agg_select``, ``agg_margin``, ``selectivity``) need at
+least two segments (NaN otherwise: with one segment, e.g. ``niah``'s needle, they are trivially
+perfect; use ``agg_focus_segment`` there).
 """
 from __future__ import annotations
 
@@ -151,12 +152,11 @@ def _gather_parts(pattern: Tensor, batch: AnnotatedBatch) -> tuple[Tensor, Tenso
     log_n = torch.log(n_other.to(w.dtype).clamp(min=1))[:, None, :]  # [batch, 1, seg]
     ok = (n_other >= 2)[:, None, :] & (mass > 0)  # [batch, head, seg]
     entropy = torch.where(ok, entropy / log_n.clamp(min=torch.finfo(w.dtype).tiny), nan)
-    # keys of the other segments that the summary token can see (causally: the earlier segments)
-    any_segment = inside.any(1)  # [batch, k]
-    elsewhere = (any_segment[:, None, :] & ~inside & (keys[None, None, :] < summary[:, :, None])
-                 & key_mask[:, None, :] & batch.seg_mask.to(device)[:, :, None])  # [batch, seg, k]
+    # keys of the other (real) segments that a real segment's summary token sees: the earlier segments
+    elsewhere = (inside.any(1)[:, None, :] & ~inside & (keys[None, None, :] < summary[:, :, None])
+                 & batch.seg_mask.to(device)[:, :, None])  # [batch, seg, k]
     cross_mass = (w * elsewhere[:, None].to(w.dtype)).sum(-1)  # [batch, head, seg]
-    cross = torch.where((elsewhere.sum(-1) > 0)[:, None, :], cross_mass, nan)  # [batch, head, seg]
+    cross = torch.where(elsewhere.any(-1)[:, None, :], cross_mass, nan)  # [batch, head, seg]
     return score.nanmean(-1), entropy.nanmean(-1), cross.nanmean(-1)
 
 

@@ -178,13 +178,10 @@ def run_truth(args: argparse.Namespace) -> int:
 
 def truth_summary(truth: dict) -> str:
     """The labels of a ``truth.json`` in a few readable lines."""
-    from discovery.report import head_name
+    from discovery.report import fmt, head_name
 
     def name(d: dict) -> str:
         return head_name(d["layer"], d["head"], d.get("kind", "attn"))
-
-    def value(row: dict, key: str) -> str:
-        return "null" if row.get(key) is None else f"{row[key]:.2f}"
 
     clean = truth["clean"]
     pairs = [f"{name(p['gather'])}->{name(p['aggregate'])} (agg_select {p['agg_select_clean']:.2f} -> "
@@ -201,8 +198,8 @@ def truth_summary(truth: dict) -> str:
     for r in sorted((r for r in truth["heads"] if r["role"] == "other_important"), key=lambda r: r["d_ld_all"]):
         lines.append(f"other head that breaks the task {name(r)}: logit diff {r['d_ld_all']:+.2f} "
                      f"(query {r['d_ld_query']:+.2f}, segments {r['d_ld_segment']:+.2f}); gather_score "
-                     f"{value(r, 'gather_score')}, gather_cross {value(r, 'gather_cross')}, "
-                     f"agg_select {value(r, 'agg_select')}")
+                     f"{fmt(r.get('gather_score'), 2)}, gather_cross {fmt(r.get('gather_cross'), 2)}, "
+                     f"agg_select {fmt(r.get('agg_select'), 2)}")
     for role, m in (truth.get("pattern_margin") or {}).items():
         if m:
             other = "none" if m["strongest_other"] is None else f"{m['strongest_other']:.3f}"
