@@ -86,29 +86,16 @@ def aggregate_metrics_under(lm: Any, batch: Any, ablate: HeadId | None, watch: S
                             engine: AblationEngine | None = None, chunk: int = 16) -> dict[HeadId, dict[str, float]]:
     """``agg_select`` and ``agg_focus`` (means over prompts) of the ``watch`` heads, with ``ablate``
     zero-ablated at every position through the engine's own edits (clean when ``ablate`` is None)."""
-    from . import metrics
-    from .patterns import for_each_pattern
-
-    wanted = {(h.layer, h.kind) for h in watch}
-    values: dict[HeadId, dict[str, list[torch.Tensor]]] = {h: {"agg_select": [], "agg_focus": []} for h in watch}
-
-    def sink(group, rows, pattern, extras) -> None:  # pattern [batch, head, q, k]
-        if (group.layer, group.kind) not in wanted:
-            return
-        found = metrics.pattern_metrics(pattern.float(), batch.select(rows))
-        for h in watch:
-            if (h.layer, h.kind) == (group.layer, group.kind):
-                for name in ("agg_select", "agg_focus"):
-                    values[h][name].append(found[name][:, h.index].cpu())
+    from .patterns import pattern_metric_values
 
     edits_for = None
     if ablate is not None:
         engine = engine or AblationEngine(lm, batch)
         edits_for = lambda rows: engine.plan([Ablation((ablate,))], rows)
-    for_each_pattern(lm, batch, sink, layers=sorted({h.layer for h in watch}), kinds=sorted({h.kind for h in watch}),
-                     chunk_prompts=chunk, edits_for=edits_for)
-    return {h: {name: float(torch.nanmean(torch.cat(v)).item()) if v else float("nan") for name, v in named.items()}
-            for h, named in values.items()}
+    found = pattern_metric_values(lm, batch, layers=sorted({h.layer for h in watch}),
+                                  kinds=sorted({h.kind for h in watch}), chunk_prompts=chunk, edits_for=edits_for)
+    return {h: {name: float(torch.nanmean(found[(h.layer, h.kind)][name][:, h.index]).item())
+                for name in ("agg_select", "agg_focus")} for h in watch}
 
 
 def _nan_to_none(x: Any) -> Any:

@@ -71,6 +71,32 @@ def for_each_pattern(lm: LoadedModel, batch: AnnotatedBatch, sink: PatternSink, 
             lm.model(**model_inputs(lm.model, part))
 
 
+def pattern_metric_values(lm: LoadedModel, batch: AnnotatedBatch, *, layers: Iterable[int] | None = None,
+                          kinds: Iterable[str] = ("attn", "ssm"), chunk_prompts: int = 8,
+                          edits_for: Callable[[slice], PassConfig] | None = None,
+                          on_chunk: Callable[[], None] | None = None) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
+    """Every pattern metric per prompt, ``{(layer, kind): {name: [batch, head]}}`` (NaN where undefined).
+
+    The one loop from patterns to metrics (scan, ground truth and the pair test all call it), so the
+    patterns are never held beyond one chunk. ``on_chunk`` is called after each (group, chunk), for
+    progress bars; ``edits_for`` is passed to :func:`for_each_pattern`.
+    """
+    from . import metrics
+
+    parts: dict[tuple[int, str], dict[str, list[torch.Tensor]]] = {}
+
+    def sink(group, rows, pattern, extras) -> None:  # pattern [batch, head, q, k]
+        found = metrics.pattern_metrics(pattern.float(), batch.select(rows))
+        named = parts.setdefault((group.layer, group.kind), {})
+        for name, values in found.items():
+            named.setdefault(name, []).append(values.cpu())
+        if on_chunk is not None:
+            on_chunk()
+
+    for_each_pattern(lm, batch, sink, layers=layers, kinds=kinds, chunk_prompts=chunk_prompts, edits_for=edits_for)
+    return {key: {name: torch.cat(v) for name, v in named.items()} for key, named in parts.items()}
+
+
 def collect_patterns(lm: LoadedModel, batch: AnnotatedBatch, **kwargs) -> dict[tuple[int, str], torch.Tensor]:
     """All patterns as ``{(layer, kind): [batch, head, q, k]}`` — for small models, tests and figures."""
     parts: dict[tuple[int, str], list[torch.Tensor]] = {}

@@ -33,7 +33,7 @@ import torch
 from .ablation import Ablation, AblationEngine, single_head_ablations
 from .heads import HeadId
 from .loading import LoadedModel
-from .patterns import for_each_pattern
+from .patterns import pattern_metric_values
 from .tasks.base import AnnotatedBatch
 
 
@@ -52,19 +52,11 @@ class TruthRules:
 def _metric_table(lm: LoadedModel, batch: AnnotatedBatch, edits_for=None, layers=None) -> dict[HeadId, dict[str, float]]:
     from . import metrics
 
-    parts: dict[tuple[int, str], dict[str, list[torch.Tensor]]] = {}
-
-    def sink(group, rows, pattern, extras):
-        found = metrics.pattern_metrics(pattern.float(), batch.select(rows))
-        for name, values in found.items():
-            parts.setdefault((group.layer, group.kind), {}).setdefault(name, []).append(values.cpu())
-
-    for_each_pattern(lm, batch, sink, layers=layers, edits_for=edits_for)
+    values = pattern_metric_values(lm, batch, layers=layers, edits_for=edits_for)
     out: dict[HeadId, dict[str, float]] = {}
-    for (layer, kind), named in parts.items():
-        summary = metrics.summarise({k: torch.cat(v) for k, v in named.items()})
-        for name, values in summary.items():
-            for index, value in enumerate(values.tolist()):
+    for (layer, kind), named in values.items():
+        for name, means in metrics.summarise(named).items():
+            for index, value in enumerate(means.tolist()):
                 out.setdefault(HeadId(layer, index, kind), {})[name] = value
     return out
 

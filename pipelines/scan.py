@@ -85,23 +85,13 @@ def _pattern_metrics(lm: LoadedModel, batch: AnnotatedBatch, groups: list[HeadGr
                      progress: Progress | None) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
     """Per group, per metric: the per-head mean over prompts ``[head]`` (NaN where undefined)."""
     from discovery import metrics
-    from discovery.patterns import for_each_pattern
+    from discovery.patterns import pattern_metric_values
 
-    parts: dict[tuple[int, str], dict[str, list[torch.Tensor]]] = {}
-    layers = sorted({g.layer for g in groups})
-    kinds = sorted({g.kind for g in groups})
     tick = stage_ticker(progress, "patterns", len(groups) * math.ceil(len(batch) / chunk))
-
-    def sink(group: HeadGroup, rows: slice, pattern: torch.Tensor, extras: dict) -> None:
-        sub = batch.select(rows)
-        pattern = pattern.float()
-        out = parts.setdefault((group.layer, group.kind), {})
-        for name, values in metrics.pattern_metrics(pattern, sub).items():
-            out.setdefault(name, []).append(values.cpu())
-        tick(1)
-
-    for_each_pattern(lm, batch, sink, layers=layers, kinds=kinds, chunk_prompts=chunk)
-    return {key: metrics.summarise({m: torch.cat(v) for m, v in vals.items()}) for key, vals in parts.items()}
+    values = pattern_metric_values(lm, batch, layers=sorted({g.layer for g in groups}),
+                                   kinds=sorted({g.kind for g in groups}), chunk_prompts=chunk,
+                                   on_chunk=lambda: tick(1))
+    return {key: metrics.summarise(named) for key, named in values.items()}
 
 
 def _dla(lm: LoadedModel, batch: AnnotatedBatch, groups: list[HeadGroup]) -> dict[tuple[int, str], torch.Tensor]:
