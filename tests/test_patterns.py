@@ -222,3 +222,23 @@ def test_layer_and_kind_selection(cases) -> None:
     only = collect_patterns(case.lm, case.batch, layers=[3], kinds=("attn",), chunk_prompts=2)
     assert set(only) == {(3, "attn")}
     torch.testing.assert_close(only[(3, "attn")], case.patterns[(3, "attn")], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mamba2", "zamba2"])
+def test_streamed_metrics_equal_metrics_of_the_whole_patterns(arch: str, cases) -> None:
+    """pattern_metric_values, one prompt per pass, gives every metric of every head exactly as
+    pattern_metrics on the full patterns of the whole batch (per prompt, NaN where undefined)."""
+    from discovery import metrics
+    from discovery.patterns import pattern_metric_values
+
+    case = cases(arch)
+    ticks: list[int] = []
+    streamed = pattern_metric_values(case.lm, case.batch, chunk_prompts=1, on_chunk=lambda: ticks.append(1))
+    assert set(streamed) == set(case.patterns)
+    assert len(ticks) == len(case.batch) * len(case.patterns)
+    for key, pattern in case.patterns.items():
+        whole = metrics.pattern_metrics(pattern.float(), case.batch)
+        assert set(streamed[key]) == set(metrics.PATTERN_METRICS) == set(whole)
+        for name, values in whole.items():
+            assert streamed[key][name].shape == values.shape == (len(case.batch), pattern.shape[1])
+            torch.testing.assert_close(streamed[key][name], values, atol=1e-5, rtol=1e-4, equal_nan=True)
