@@ -53,6 +53,8 @@ METRICS: Mapping[str, str] = MappingProxyType({
                   "(mean = fraction)",
     "agg_margin": "query mass on the gold segment minus the largest distractor segment's mass",
     "selectivity": "query mass on the gold segment divided by the query mass on all segments",
+    "agg_after": "mass from the query position onto the two tokens right after the gold segment (high with "
+                 "a low agg_select: the head reads the finished option one step late, as width-2 SSM toys do)",
     "retrieval_score": "fraction of copyable gold tokens whose top-attended key is that token in the "
                        "gold segment (Wu et al.)",
     "dla": "direct logit attribution of the head's output at the query: gold minus mean other candidates",
@@ -61,7 +63,7 @@ METRICS: Mapping[str, str] = MappingProxyType({
 
 PATTERN_METRICS: tuple[str, ...] = (
     "gather_score", "gather_entropy", "gather_cross", "agg_focus", "agg_focus_segment", "agg_select",
-    "agg_margin", "selectivity",
+    "agg_margin", "selectivity", "agg_after",
 )
 """The metrics :func:`pattern_metrics` computes from one pattern on the prompt itself."""
 
@@ -189,6 +191,10 @@ def gather_entropy(pattern: Tensor, batch: AnnotatedBatch) -> Tensor:
 # ---------------------------------------------------------------------------------------------
 
 
+AFTER_TOKENS = 2
+"""How many tokens right after the gold segment ``agg_after`` counts (the separator and the next label)."""
+
+
 def _query_weights(pattern: Tensor, batch: AnnotatedBatch) -> Tensor:
     """``[batch, head, k]``: the query row as weights (see the module's row convention)."""
     _check(pattern, batch)
@@ -232,12 +238,17 @@ def _agg_parts(pattern: Tensor, batch: AnnotatedBatch) -> dict[str, Tensor]:
     ok = gold_ok[:, None]
     tiny = torch.finfo(total.dtype).tiny
     win = (gold_mass > max_other).to(seg_mass.dtype)
+    gold_end = batch.seg_end.to(device)[rows, gold]  # [batch], exclusive
+    keys = torch.arange(query_w.shape[-1], device=device)  # [k]
+    after = (keys[None, :] >= gold_end[:, None]) & (keys[None, :] < gold_end[:, None] + AFTER_TOKENS)  # [batch, k]
+    after_mass = (query_w * after[:, None, :].to(query_w.dtype)).sum(-1)  # [batch, head]
     return {
         "agg_focus": torch.where(ok, focus, nan),
         "agg_focus_segment": torch.where(ok, gold_mass, nan),
         "agg_select": torch.where(compare & ~gold_mass.isnan(), win, nan),
         "agg_margin": torch.where(compare, gold_mass - max_other, nan),
         "selectivity": torch.where(compare & (total > 0), gold_mass / total.clamp(min=tiny), nan),
+        "agg_after": torch.where(ok, after_mass, nan),
     }
 
 
@@ -264,6 +275,16 @@ def agg_margin(pattern: Tensor, batch: AnnotatedBatch) -> Tensor:
 def selectivity(pattern: Tensor, batch: AnnotatedBatch) -> Tensor:
     """``[batch, head]``: gold segment mass over the mass on all segments (NaN when that is zero)."""
     return _agg_parts(pattern, batch)["selectivity"]
+
+
+def agg_after(pattern: Tensor, batch: AnnotatedBatch) -> Tensor:
+    """``[batch, head]``: query mass on the ``AFTER_TOKENS`` tokens right after the gold segment.
+
+    An SSM head can read an option where its state holds the *finished* option: the separator or
+    the next option's label just after it. Such a head has a low ``agg_select`` and a high
+    ``agg_after``; a head that reads the option itself has ``agg_after`` near 0.
+    """
+    return _agg_parts(pattern, batch)["agg_after"]
 
 
 def pattern_metrics(pattern: Tensor, batch: AnnotatedBatch) -> dict[str, Tensor]:

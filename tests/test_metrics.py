@@ -83,6 +83,8 @@ def test_hand_pattern_gives_hand_computed_values() -> None:
         # segment 0 has no earlier segment (NaN); head 0 reads key 0 (no segment), 5, 7: nothing elsewhere;
         # head 1 (uniform causal): 3 of segment 1's 7 keys lie in segment 0, 6 of segment 2's 9 in 0 and 1
         "gather_cross": [0.0, (3 / 7 + 6 / 9) / 2],
+        # the two keys after the gold segment [4, 7) are 7 and 8: head 0 puts nothing there, head 1 0.1 each
+        "agg_after": [0.0, 0.2],
     }
     for name, want in expected.items():
         assert close(got[name][0], want), (name, got[name], want)
@@ -90,6 +92,22 @@ def test_hand_pattern_gives_hand_computed_values() -> None:
     for name in M.PATTERN_METRICS:
         assert close(getattr(M, name)(hand_pattern(), hand_batch()), got[name]), name
     assert set(M.PATTERN_METRICS) <= set(M.METRICS)
+
+
+def test_agg_after_sees_a_query_that_reads_just_past_the_gold_segment() -> None:
+    """A query row on the next segment's first two tokens (keys 7, 8 after gold [4, 7)) is selection one
+    step late: agg_after 0.9 while agg_select is 0 (segment 2 wins). With the gold segment last, the
+    window is cut at the sequence end and holds only the query itself."""
+    p = hand_pattern()
+    p[0, 0, 9] = 0
+    p[0, 0, 9, 7], p[0, 0, 9, 8], p[0, 0, 9, 5] = 0.5, 0.4, 0.1
+    got = M.pattern_metrics(p, hand_batch())
+    assert close(got["agg_after"][0, 0], 0.9) and close(got["agg_select"][0, 0], 0.0)
+    last = hand_batch()
+    last.gold_segment = torch.tensor([2])  # segment [7, 9): the keys after it are 9 (the query) and 10 (none)
+    p[0, 0, 9, 9] = 0.25
+    got = M.pattern_metrics(p, last)
+    assert close(got["agg_after"][0], [0.25 / 1.25, 0.1], atol=1e-6)
 
 
 def test_ssm_rows_use_absolute_share_and_zero_rows_are_nan() -> None:

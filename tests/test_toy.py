@@ -260,6 +260,31 @@ def test_bundled_mamba2_toy_has_an_ssm_aggregate_head(tmp_path, capsys):
     assert "aggregate: L1S0" in err and "other head that breaks the task L0S3" in err
 
 
+def test_bundled_width2_mamba2_toy_gathers_and_reads_the_gold_option_one_step_late(tmp_path, capsys):
+    """The width-2 Mamba-2 toy: its truth, recomputed on new prompts, has an SSM head that gathers each
+    option into its last token (L1S0, effect at the option positions), and query heads (L2S1, L2S6)
+    that put over 0.8 of their query row on the two tokens right after the gold option (agg_after)
+    while their agg_select stays at or under chance, so the rules label no aggregate head."""
+    meta = json.loads((bundled_model_path("mc-mamba2-k2") / "training.json").read_text())
+    assert meta["arch"] == "mamba2" and meta["config"]["conv_kernel"] == 2
+    out = tmp_path / "truth.json"
+    assert main(["toy", "truth", "bundled:mc-mamba2-k2", "--prompts", "64", "--seed", "11", "--out", str(out)]) == 0
+    truth = json.loads(out.read_text())
+    clean = truth["clean"]["logit_diff"]
+    assert truth["clean"]["acc"] >= 0.95 and truth["aggregate"] == [] and truth["pairs"] == []
+    by_name = {(r["layer"], r["head"]): r for r in truth["heads"]}
+    gatherer = by_name[(1, 0)]
+    assert gatherer["gather_score"] >= 0.9 and gatherer["gather_cross"] <= 0.05
+    assert gatherer["d_ld_segment"] <= -0.4 * clean and abs(gatherer["d_ld_query"]) <= 0.05 * clean
+    for head in ((2, 1), (2, 6)):
+        reader = by_name[head]
+        assert reader["d_ld_query"] <= -0.15 * clean, head
+        assert reader["agg_after"] >= 0.8 and reader["agg_select"] <= 0.25, head
+    # the heads acting at the option positions read nothing past the gold option
+    assert by_name[(0, 4)]["agg_after"] <= 0.1
+    assert "L2S1" in capsys.readouterr().err
+
+
 def test_bundled_checkpoint_series_climbs_from_chance():
     series = bundled_checkpoints()
     steps = [int(p.name.split("-")[1]) for p in series]

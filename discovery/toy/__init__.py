@@ -15,7 +15,7 @@ from .config import ARCHES, TASKS, TrainConfig
 
 BUNDLED_ROOT = Path(__file__).resolve().parent.parent / "data" / "toy"
 DEFAULT_BUNDLED = "mc-transformer"
-BUNDLED_NAMES: tuple[str, ...] = ("mc-transformer", "mc-mamba2", "mc1-transformer", "mc3-transformer")
+BUNDLED_NAMES: tuple[str, ...] = ("mc-transformer", "mc-mamba2", "mc-mamba2-k2", "mc1-transformer", "mc3-transformer")
 
 __all__ = [
     "ARCHES",
@@ -33,7 +33,9 @@ __all__ = [
 def bundled_model_path(name: str = DEFAULT_BUNDLED) -> Path:
     """Directory of a bundled toy model (a Hugging Face checkpoint); default: the `mc` transformer.
 
-    ``"mc-mamba2"`` is a pure Mamba-2 toy with an SSM aggregate head (labels before the options).
+    ``"mc-mamba2"`` is a pure Mamba-2 toy with an SSM aggregate head (labels before the options);
+    ``"mc-mamba2-k2"``, the same recipe with width-2 convolutions, has an SSM gather head and query
+    heads that read the gold option one step late (``agg_after``).
     ``"mc1-transformer"`` (single-word options) and ``"mc3-transformer"`` (three-word options, the default
     until the G&A model replaced it) are negative fixtures: they solve the task without G&A.
     """

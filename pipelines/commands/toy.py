@@ -199,7 +199,7 @@ def truth_summary(truth: dict) -> str:
         lines.append(f"other head that breaks the task {name(r)}: logit diff {r['d_ld_all']:+.2f} "
                      f"(query {r['d_ld_query']:+.2f}, segments {r['d_ld_segment']:+.2f}); gather_score "
                      f"{fmt(r.get('gather_score'), 2)}, gather_cross {fmt(r.get('gather_cross'), 2)}, "
-                     f"agg_select {fmt(r.get('agg_select'), 2)}")
+                     f"agg_select {fmt(r.get('agg_select'), 2)}, agg_after {fmt(r.get('agg_after'), 2)}")
     for role, m in (truth.get("pattern_margin") or {}).items():
         if m:
             other = "none" if m["strongest_other"] is None else f"{m['strongest_other']:.3f}"
