@@ -795,9 +795,11 @@ def _evidence_text(v: Mapping[str, Any], th: EvidenceThresholds, clean_ld: float
         share = f" ({-e.mean / ref:+.0%})" if ref > 0 else ""
         return f"{e.mean:+.2f} [{_fmt(e.lo)}, {_fmt(e.hi)}]{share}"
 
-    pattern = (f"selectivity {_fmt(_num(row.get('selectivity')))}, agg_select {_fmt(_num(row.get('agg_select')))}, "
-               f"gather_score {_fmt(_num(row.get('gather_score')))}")
-    if "gather_cross" in row:  # tables from before the metric existed lack it
+    pattern = f"selectivity {_fmt(_num(row.get('selectivity')))}, agg_select {_fmt(_num(row.get('agg_select')))}"
+    if "agg_after" in row:  # tables from before the metric existed lack it (and gather_cross)
+        pattern += f", agg_after {_fmt(_num(row.get('agg_after')))}"
+    pattern += f", gather_score {_fmt(_num(row.get('gather_score')))}"
+    if "gather_cross" in row:
         pattern += f", gather_cross {_fmt(_num(row.get('gather_cross')))}"
     parts = [pattern]
     parts.append("d_ld " + ", ".join(f"{s} {eff(f'd_ld_{s}', clean_ld)}" for s in SCOPE_ABLATIONS

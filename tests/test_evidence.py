@@ -319,6 +319,21 @@ def test_evidence_text_says_where_the_summary_reads_when_the_table_has_it():
     assert "gather_cross" not in roles["evidence"].item() and "gather_score 0.25" in roles["evidence"].item()
 
 
+def test_evidence_text_says_when_the_query_reads_just_past_the_gold_option():
+    """A head acting at the query whose row sits right after the gold option (high agg_after, low
+    agg_select) shows both numbers in its evidence line; older tables without agg_after do not."""
+    import polars as pl
+
+    from discovery.evidence import verdicts
+
+    clean = {"logit_diff": 4.0, "acc": 0.9, "chance": 0.25}
+    late = _row(2, 1, sel=0.12, effects={"all": -2.0, "query": -2.0})
+    roles, _ = verdicts(pl.DataFrame([{**late, "agg_after": 0.93}]), None, clean=clean)
+    assert "agg_select 0.12, agg_after 0.93, gather_score" in roles["evidence"].item()
+    roles, _ = verdicts(pl.DataFrame([late]), None, clean=clean)
+    assert "agg_after" not in roles["evidence"].item()
+
+
 def test_bad_input_is_one_line_errors():
     import polars as pl
 
