@@ -784,6 +784,10 @@ def verdicts(frame: pl.DataFrame, groups: pl.DataFrame | None, thresholds: Evide
     return roles, verdict
 
 
+EVIDENCE_PATTERN_METRICS = ("selectivity", "agg_select", "agg_after", "gather_score", "gather_cross")
+"""The pattern metrics an evidence line quotes, in this order."""
+
+
 def _evidence_text(v: Mapping[str, Any], th: EvidenceThresholds, clean_ld: float, mm_ld: float) -> str:
     """One line: the pattern numbers, the effects per scope (share of clean), credits and readers."""
     row = v["row"]
@@ -795,13 +799,8 @@ def _evidence_text(v: Mapping[str, Any], th: EvidenceThresholds, clean_ld: float
         share = f" ({-e.mean / ref:+.0%})" if ref > 0 else ""
         return f"{e.mean:+.2f} [{_fmt(e.lo)}, {_fmt(e.hi)}]{share}"
 
-    pattern = f"selectivity {_fmt(_num(row.get('selectivity')))}, agg_select {_fmt(_num(row.get('agg_select')))}"
-    if "agg_after" in row:  # tables from before the metric existed lack it (and gather_cross)
-        pattern += f", agg_after {_fmt(_num(row.get('agg_after')))}"
-    pattern += f", gather_score {_fmt(_num(row.get('gather_score')))}"
-    if "gather_cross" in row:
-        pattern += f", gather_cross {_fmt(_num(row.get('gather_cross')))}"
-    parts = [pattern]
+    # only the columns the table has: tables from before agg_after or gather_cross existed lack them
+    parts = [", ".join(f"{name} {_fmt(_num(row[name]))}" for name in EVIDENCE_PATTERN_METRICS if name in row)]
     parts.append("d_ld " + ", ".join(f"{s} {eff(f'd_ld_{s}', clean_ld)}" for s in SCOPE_ABLATIONS
                                      if f"d_ld_{s}" in row) + f" of clean {clean_ld:.2f}")
     if "mm_d_ld_all" in row:

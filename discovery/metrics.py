@@ -110,12 +110,16 @@ def _pick_rows(pattern: Tensor, pos: Tensor) -> Tensor:
     return pattern.gather(2, index)
 
 
+def _in_span(start: Tensor, end: Tensor, width: int) -> Tensor:
+    """``[*start.shape, k]`` bool: key k (of ``width``) lies in ``[start, end)``."""
+    pos = torch.arange(width, device=start.device)  # [k]
+    return (pos >= start[..., None]) & (pos < end[..., None])
+
+
 def _segments_inside(batch: AnnotatedBatch, width: int, device: torch.device) -> Tensor:
     """``[batch, seg, k]`` bool: key k lies in segment s (False for padding segments)."""
-    pos = torch.arange(width, device=device)  # [k]
-    start = batch.seg_start.to(device)[:, :, None]  # [batch, seg, 1]
-    end = batch.seg_end.to(device)[:, :, None]
-    return (pos >= start) & (pos < end) & batch.seg_mask.to(device)[:, :, None]
+    inside = _in_span(batch.seg_start.to(device), batch.seg_end.to(device), width)  # [batch, seg, k]
+    return inside & batch.seg_mask.to(device)[:, :, None]
 
 
 def _gold_index(batch: AnnotatedBatch, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -239,8 +243,7 @@ def _agg_parts(pattern: Tensor, batch: AnnotatedBatch) -> dict[str, Tensor]:
     tiny = torch.finfo(total.dtype).tiny
     win = (gold_mass > max_other).to(seg_mass.dtype)
     gold_end = batch.seg_end.to(device)[rows, gold]  # [batch], exclusive
-    keys = torch.arange(query_w.shape[-1], device=device)  # [k]
-    after = (keys[None, :] >= gold_end[:, None]) & (keys[None, :] < gold_end[:, None] + AFTER_TOKENS)  # [batch, k]
+    after = _in_span(gold_end, gold_end + AFTER_TOKENS, query_w.shape[-1])  # [batch, k]
     after_mass = (query_w * after[:, None, :].to(query_w.dtype)).sum(-1)  # [batch, head]
     return {
         "agg_focus": torch.where(ok, focus, nan),

@@ -13,12 +13,12 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from discovery import ssm
+from discovery import metrics, ssm
 from discovery.heads import HeadGroup
 from discovery.loading import LoadedModel, load_model
 from discovery.models.adapter import adapter_for
 from discovery.models.tiny import TINY_CONFIGS
-from discovery.patterns import collect_patterns, for_each_pattern, model_inputs
+from discovery.patterns import collect_patterns, for_each_pattern, model_inputs, pattern_metric_values
 from discovery.tasks.base import AnnotatedBatch, annotate
 from tests.helpers import mc_prompts
 
@@ -228,9 +228,6 @@ def test_layer_and_kind_selection(cases) -> None:
 def test_streamed_metrics_equal_metrics_of_the_whole_patterns(arch: str, cases) -> None:
     """pattern_metric_values, one prompt per pass, gives every metric of every head exactly as
     pattern_metrics on the full patterns of the whole batch (per prompt, NaN where undefined)."""
-    from discovery import metrics
-    from discovery.patterns import pattern_metric_values
-
     case = cases(arch)
     ticks: list[int] = []
     streamed = pattern_metric_values(case.lm, case.batch, chunk_prompts=1, on_chunk=lambda: ticks.append(1))
