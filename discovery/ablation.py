@@ -2,7 +2,8 @@
 
 One engine serves every caller (the sweep, pair tests, group ablations, placement, benchmarks).
 An :class:`Ablation` names heads edited together, how (``zero``, ``mean``, ``knockout``) and where
-(position classes). :meth:`AblationEngine.run` evaluates many ablations at once:
+(position classes), and optionally heads *held* at their clean outputs meanwhile (``hold``: the
+mediation test, how much of an edit's effect flows through the held heads). :meth:`AblationEngine.run` evaluates many ablations at once:
 
 - rows = ablation × prompt in one forward (chunked to a memory budget);
 - the clean run's hidden state before layer l is reused, so an ablation whose first edited layer is
@@ -42,6 +43,8 @@ class Ablation:
     ``scope``: position classes where the heads' outputs are edited (``all`` = every real token);
     for ``knockout`` the scope gives the *query* rows and ``keys`` the key positions those rows may
     no longer read (attention probabilities, or implicit-attention entries for SSM heads, set to 0).
+    ``hold``: heads whose outputs at ``hold_scope`` keep their clean-run values whatever the edit
+    changes upstream; the part of the edit's effect that disappears is the part mediated by them.
     """
 
     heads: tuple[HeadId, ...]
@@ -49,15 +52,20 @@ class Ablation:
     scope: tuple[str, ...] = ("all",)
     keys: tuple[str, ...] = ("segment",)
     label: str = ""
+    hold: tuple[HeadId, ...] = ()
+    hold_scope: tuple[str, ...] = ("query",)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"unknown ablation method {self.method!r}; use one of {METHODS}")
-        bad = [s for s in (*self.scope, *self.keys) if s not in SCOPES]
+        bad = [s for s in (*self.scope, *self.keys, *self.hold_scope) if s not in SCOPES]
         if bad:
             raise ValueError(f"unknown position class {bad[0]!r}; use one of {SCOPES}")
         if not self.heads:
             raise ValueError("an ablation needs at least one head")
+        both = set(self.heads) & set(self.hold)
+        if both:
+            raise ValueError(f"head {min(both)} is both ablated and held; hold only heads the ablation leaves alone")
 
     @property
     def first_layer(self) -> int:
@@ -65,7 +73,8 @@ class Ablation:
 
     @property
     def name(self) -> str:
-        return self.label or "+".join(str(h) for h in self.heads)
+        held = f" holding {'+'.join(str(h) for h in self.hold)}" if self.hold else ""
+        return self.label or "+".join(str(h) for h in self.heads) + held
 
 
 def single_head_ablations(heads: Iterable[HeadId], method: str = "zero", scope: Sequence[str] = ("all",),
@@ -190,6 +199,7 @@ class AblationEngine:
         self._accepts_position_ids = "position_ids" in inspect.signature(self.model.forward).parameters
         self.max_rows = max_rows or self._rows_for_budget(max_memory_mb)
         self._means: dict[tuple[int, str], torch.Tensor] = {}
+        self._clean_proj: dict[tuple[int, str], torch.Tensor] = {}  # held heads' clean values
         self._cache = None  # clean keys/values of the prefix, for the query fast path
         self.n_positions = int(self.batch.input_ids.shape[1])
         self.intervener.learn_layer_output_format(self.batch.input_ids)
@@ -272,20 +282,31 @@ class AblationEngine:
         return query_scores(logits[None], self.batch)
 
     # -- edits ----------------------------------------------------------------------------------
+    def _proj_input(self, layer: int, kind: str) -> torch.Tensor:
+        """The clean out-projection input of one head group, ``[prompt, pos, in_features]`` (one forward)."""
+        captured: list[torch.Tensor] = []
+
+        def grab(x: torch.Tensor) -> torch.Tensor:
+            captured.append(x.detach())
+            return x
+
+        with torch.no_grad(), self.intervener.run(PassConfig(proj_edits={(layer, kind): grab})):
+            self.model(**self._inputs(1))
+        return captured[0]
+
     def _mean_values(self, layer: int, kind: str) -> torch.Tensor:
         """Mean of the out-projection input per position class over the batch: ``[class, in_features]``."""
         key = (layer, kind)
         if key not in self._means:
-            captured: list[torch.Tensor] = []
-
-            def grab(x: torch.Tensor) -> torch.Tensor:
-                captured.append(x.detach())
-                return x
-
-            with torch.no_grad(), self.intervener.run(PassConfig(proj_edits={key: grab})):
-                self.model(**self._inputs(1))
-            self._means[key] = class_means(captured[0], self.classes)  # [class, in]
+            self._means[key] = class_means(self._proj_input(layer, kind), self.classes)  # [class, in]
         return self._means[key]
+
+    def _clean_values(self, layer: int, kind: str) -> torch.Tensor:
+        """The clean out-projection input, kept for held heads: ``[prompt, pos, in_features]``."""
+        key = (layer, kind)
+        if key not in self._clean_proj:
+            self._clean_proj[key] = self._proj_input(layer, kind)
+        return self._clean_proj[key]
 
     def plan(self, ablations: Sequence[Ablation], rows: slice | None = None) -> PassConfig:
         """The Intervener edits that apply ``ablations`` to the prompts ``rows`` of this batch (default all),
@@ -300,6 +321,9 @@ class AblationEngine:
         late = [a.name for a in ablations if max(h.layer for h in a.heads) >= self.n_active_layers]
         if late:
             raise ValueError(f"ablation {late[0]} edits a layer after readout layer {self.readout_layer}")
+        late = [a.name for a in ablations if any(h.layer >= self.n_active_layers for h in a.hold)]
+        if late:
+            raise ValueError(f"ablation {late[0]} holds a head after readout layer {self.readout_layer}")
         config = PassConfig(stop_layer=self.readout_layer)
         touched = sorted({(h.layer, h.kind) for a in ablations for h in a.heads})
         for layer, kind in touched:
@@ -337,6 +361,18 @@ class AblationEngine:
                 config.mixer_sinks[layer] = _capture_components(mixer, holder)
                 previous = config.proj_edits.get((layer, kind))
                 config.proj_edits[(layer, kind)] = _knockout_ssm(mixer, holder, knock, p, group.width, previous)
+        for layer, kind in sorted({(h.layer, h.kind) for a in ablations for h in a.hold}):
+            group = self.inventory.group(layer, kind)
+            hold_mask = torch.zeros(n, p, classes["all"].shape[1], group.count, dtype=torch.bool,
+                                    device=self.device)  # [ablation, prompt, pos, head]
+            for a, abl in enumerate(ablations):
+                heads = [h.index for h in abl.hold if h.layer == layer and h.kind == kind]
+                if heads:
+                    hold_mask[a][:, :, heads] = scope_positions(classes, abl.hold_scope)[:, :, None]
+            clean = self._clean_values(layer, kind)
+            clean = clean if rows is None else clean[rows]  # [prompt, pos, in]
+            config.proj_edits[(layer, kind)] = hold_heads(hold_mask.reshape(n * p, -1, group.count), group.width,
+                                                          clean, config.proj_edits.get((layer, kind)))
         return config
 
     # -- running --------------------------------------------------------------------------------
@@ -399,6 +435,23 @@ def replace_heads(edit_mask: torch.Tensor, width: int, means: torch.Tensor | Non
             repl = repl.repeat(rows // means.shape[0], 1, 1, 1)
             use = mask & mean_rows[:, None, None]
             out = torch.where(use[..., None], repl, heads.masked_fill(mask[..., None], 0.0))
+        return out.reshape(rows, pos, -1)
+
+    return edit
+
+
+def hold_heads(hold_mask: torch.Tensor, width: int, clean: torch.Tensor,
+               previous: Callable[[torch.Tensor], torch.Tensor] | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """An out-projection input edit applied after ``previous`` (this layer's own ablation edits, if
+    any): the masked heads' columns take their clean-run values ``clean`` ``[prompt, pos, in]``."""
+
+    def edit(x: torch.Tensor) -> torch.Tensor:  # x [row, pos, in]
+        if previous is not None:
+            x = previous(x)
+        rows, pos, _ = x.shape
+        mask = hold_mask[:, -pos:]  # [row, pos, head]; a cached single-token pass sees the last position only
+        repl = clean[:, -pos:].to(x.dtype).repeat(rows // clean.shape[0], 1, 1).view(rows, pos, -1, width)
+        out = torch.where(mask[..., None], repl, x.view(rows, pos, -1, width))  # [row, pos, head, width]
         return out.reshape(rows, pos, -1)
 
     return edit
