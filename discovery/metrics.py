@@ -30,6 +30,7 @@ perfect; use ``agg_focus_segment`` there).
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import MappingProxyType
@@ -288,6 +289,16 @@ def agg_after(pattern: Tensor, batch: AnnotatedBatch) -> Tensor:
     ``agg_after``; a head that reads the option itself has ``agg_after`` near 0.
     """
     return _agg_parts(pattern, batch)["agg_after"]
+
+
+def selection(values: Mapping[str, float | None]) -> float:
+    """How strongly a head's query picks the gold option, from its mean metrics: ``agg_select`` (the
+    option's own tokens win) or ``agg_after`` (the tokens right after it, where an SSM state holds the
+    finished option), whichever is larger; 0 where neither was measured. The ground-truth rules and the
+    pair tests judge an aggregate head's selection by this one number."""
+    found = [float(v) for v in (values.get("agg_select"), values.get("agg_after"))
+             if v is not None and not math.isnan(float(v))]
+    return max(found, default=0.0)
 
 
 def pattern_metrics(pattern: Tensor, batch: AnnotatedBatch) -> dict[str, Tensor]:

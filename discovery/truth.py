@@ -3,23 +3,33 @@
 Every head is zero-ablated alone, at all positions, at the query position only and at the segment
 positions only; its pattern metrics are computed; and every candidate gather→aggregate pair is put
 through the interaction test (ablate the gather head at the segment positions, watch the aggregate
-head's ``agg_select``). The rules are deliberately simple and written down, so the truth does not
-depend on the classifier it is used to train and test:
+head). The rules are deliberately simple and written down, so the truth does not depend on the
+classifier it is used to train and test:
 
 - a head *breaks the task* when ablating it everywhere costs at least ``break_fraction`` of the clean
   logit difference (or ``break_acc`` accuracy);
 - it *aggregates* when it breaks the task, its effect lives at the query position (at least half the
-  break threshold there) and its query attends selectively to the gold segment (``agg_select``);
+  break threshold there) and its query selects the gold segment: its ``selection``, the larger of
+  ``agg_select`` (the gold option's own tokens get the most weight) and ``agg_after`` (the query row's
+  mass on the two tokens right after the gold option), reaches ``agg_select``. ``agg_after`` counts
+  because an SSM head can only read a finished option where the state already holds it: the width-2
+  Mamba-2 toy's query heads put 0.93 of their row there and 0.12 on the option itself;
 - heads that share that work redundantly (a toy with several heads copying the gold label) each fall
   short of the break threshold, so they are tested as a *set*: every head that attends selectively,
   costs at least ``set_fraction`` of the clean logit difference at the query on its own and is not an
   aggregate head by the rule above is ablated together at the query position; if that joint ablation
   breaks the task, each of them aggregates (``aggregate_set`` records the set and its joint effect);
 - it *gathers* when it breaks the task, its effect lives at the segment positions, its summary tokens
-  attend within their own segment (``gather_score``), and a later aggregate head loses selectivity
-  when it is ablated (the pair is then *confirmed*).
+  attend within their own segment (``gather_score``), and a later aggregate head depends on it (the
+  pair is then *confirmed*): with the gather head ablated at the segment positions, the aggregate
+  head's selection falls by ``interaction_drop`` (it no longer finds the gold option), or holding
+  the aggregate head at its clean output at the query gives back at least ``mediation`` of the
+  gather head's cost (what it reads is what the gather head wrote: the mediated share,
+  ``1 - effect with the aggregate held / effect``). In the width-2 Mamba-2 toy the gather head
+  changes what the query heads read, not where (another head steers that), so only the second test
+  sees the pair.
 
-``pattern_margin`` compares each role's weakest head on its defining metric (``agg_select``,
+``pattern_margin`` compares each role's weakest head on its defining metric (``selection``,
 ``gather_score``) with the strongest other head whose ablation costs at least ``set_fraction``.
 """
 from __future__ import annotations
@@ -33,6 +43,7 @@ import torch
 from .ablation import Ablation, AblationEngine, single_head_ablations
 from .heads import HeadId
 from .loading import LoadedModel
+from .metrics import selection
 from .patterns import pattern_metric_values
 from .tasks.base import AnnotatedBatch
 
@@ -46,6 +57,7 @@ class TruthRules:
     agg_select: float = 0.5
     gather_score: float = 0.3
     interaction_drop: float = 0.2
+    mediation: float = 0.25
     set_fraction: float = 0.02
 
 
@@ -81,10 +93,11 @@ def ground_truth(lm: LoadedModel, batch: AnnotatedBatch, rules: TruthRules = Tru
                **{f"d_acc_{s}": float(effects[s]["acc"][i]) for s in effects},
                **{k: (None if math.isnan(v) else float(v)) for k, v in m.items()}}
         breaks = row["d_ld_all"] <= -threshold or row["d_acc_all"] <= -rules.break_acc
+        row["selection"] = selection(row)
         row["breaks_task"] = bool(breaks)
         row["aggregate_set_member"] = False
         row["aggregate"] = bool(breaks and row["d_ld_query"] <= -threshold / 2
-                                and (row.get("agg_select") or 0.0) >= rules.agg_select)
+                                and row["selection"] >= rules.agg_select)
         row["gather_candidate"] = bool(breaks and row["d_ld_segment"] <= -threshold / 2
                                        and (row.get("gather_score") or 0.0) >= rules.gather_score)
         rows.append(row)
@@ -98,13 +111,20 @@ def ground_truth(lm: LoadedModel, batch: AnnotatedBatch, rules: TruthRules = Tru
         later = [a for a in aggregates if a.layer > g.layer]
         if not later:
             continue
+        without = Ablation((g,), "zero", ("segment",))
         under = _metric_table(lm, batch, layers=sorted({a.layer for a in later}),
-                              edits_for=lambda rows, g=g: engine.plan([Ablation((g,), "zero", ("segment",))], rows))
-        for a in later:
-            before = pattern[a]["agg_select"]
-            after = under[a]["agg_select"]
-            pairs.append({"gather": g.as_dict(), "aggregate": a.as_dict(), "agg_select_clean": before,
-                          "agg_select_without_gather": after, "confirmed": bool(before - after >= rules.interaction_drop)})
+                              edits_for=lambda rows, without=without: engine.plan([without], rows))
+        # [1 + aggregate]: the gather head's cost alone, then with each aggregate head held clean at the query
+        cost = engine.effects([without, *(Ablation((g,), "zero", ("segment",), hold=(a,)) for a in later)]
+                              ).logit_diff.mean(1).double()
+        for a, held in zip(later, cost[1:].tolist()):
+            before, after = selection(pattern[a]), selection(under[a])
+            mediated = 1.0 - held / float(cost[0]) if float(cost[0]) < 0 else None
+            pairs.append({"gather": g.as_dict(), "aggregate": a.as_dict(), "selection_clean": before,
+                          "selection_without_gather": after, "effect_gather": float(cost[0]),
+                          "effect_aggregate_held": held, "mediated": mediated,
+                          "confirmed": bool(before - after >= rules.interaction_drop
+                                            or (mediated is not None and mediated >= rules.mediation))})
     confirmed = {(p["gather"]["layer"], p["gather"]["head"], p["gather"]["kind"]) for p in pairs if p["confirmed"]}
     for r in rows:
         r["gather"] = bool(r["gather_candidate"] and (r["layer"], r["head"], r["kind"]) in confirmed)
@@ -126,7 +146,7 @@ def ground_truth(lm: LoadedModel, batch: AnnotatedBatch, rules: TruthRules = Tru
             "weakest_ga_effect": weakest, "strongest_other_effect": strongest_other,
             "ratio": (weakest / strongest_other) if strongest_other < 0 else None},
         "pattern_margin": {
-            "aggregate": _pattern_margin(rows, matter, "aggregate", "agg_select"),
+            "aggregate": _pattern_margin(rows, matter, "aggregate", "selection"),
             "gather": _pattern_margin(rows, matter, "gather", "gather_score"),
         },
         "aggregate_set": aggregate_set,
@@ -142,7 +162,7 @@ def _redundant_aggregates(engine: AblationEngine, heads: list[HeadId], rows: lis
     and its joint effect (None when there are fewer than two such heads).
     """
     members = [i for i, r in enumerate(rows)
-               if not r["aggregate"] and (r.get("agg_select") or 0.0) >= rules.agg_select
+               if not r["aggregate"] and r["selection"] >= rules.agg_select
                and r["d_ld_query"] <= -rules.set_fraction * abs(clean_ld)]
     if len(members) < 2:
         return None

@@ -21,7 +21,8 @@ def test_truth_names_the_planted_pair_and_no_decoy(circuit):
     assert [as_tuple(g) for g in truth["gather"]] == [(circuit.gather.layer, circuit.gather.index)]
     assert [as_tuple(a) for a in truth["aggregate"]] == [(circuit.aggregate.layer, circuit.aggregate.index)]
     confirmed = [p for p in truth["pairs"] if p["confirmed"]]
-    assert len(confirmed) == 1 and confirmed[0]["agg_select_without_gather"] < 0.5
+    assert len(confirmed) == 1 and confirmed[0]["selection_without_gather"] < 0.5
+    assert confirmed[0]["mediated"] >= 0.5  # the planted gather head acts through the aggregate head
     roles = {(r["layer"], r["head"]): r["role"] for r in truth["heads"]}
     for decoy in circuit.decoys.values():
         assert roles[(decoy.layer, decoy.index)] == "none"

@@ -184,8 +184,9 @@ def truth_summary(truth: dict) -> str:
         return head_name(d["layer"], d["head"], d.get("kind", "attn"))
 
     clean = truth["clean"]
-    pairs = [f"{name(p['gather'])}->{name(p['aggregate'])} (agg_select {p['agg_select_clean']:.2f} -> "
-             f"{p['agg_select_without_gather']:.2f})" for p in truth["pairs"] if p["confirmed"]]
+    pairs = [f"{name(p['gather'])}->{name(p['aggregate'])} (selection {p['selection_clean']:.2f} -> "
+             f"{p['selection_without_gather']:.2f}, mediated {fmt(p.get('mediated'), 2)})"
+             for p in truth["pairs"] if p["confirmed"]]
     lines = [f"clean accuracy {clean['acc']:.3f}, logit diff {clean['logit_diff']:.3f}",
              f"gather: {', '.join(map(name, truth['gather'])) or 'none'}",
              f"aggregate: {', '.join(map(name, truth['aggregate'])) or 'none'}",
