@@ -44,7 +44,7 @@ from .ablation import Ablation, AblationEngine, Progress, query_scores, single_h
 from .errors import GascanError
 from .heads import HeadId
 from .loading import LoadedModel
-from .metrics import linearised_norm_scale
+from .metrics import linearised_norm_scale, selection
 from .stats import bootstrap_ci
 from .tasks.base import AnnotatedBatch
 
@@ -73,6 +73,7 @@ class EvidenceThresholds:
 
     selectivity: float = 0.6  # aggregate-like pattern: query mass on the gold segment / on all segments
     agg_select: float = 0.6  # ... or the gold segment gets the most query mass on this share of prompts
+    # (or this much query mass sits on the two tokens right after it: agg_after, an SSM reading late)
     gather_score: float = 0.5  # gather-like pattern: summary-token mass on its own segment's other tokens
     effect: float = 0.1  # important: drop >= effect * clean_ld (interval excluding 0)
     noise: float = 0.05  # no effect: |effect| < noise * clean_ld, or the interval includes 0, at every scope
@@ -324,8 +325,9 @@ def role_groups(frame: pl.DataFrame, thresholds: EvidenceThresholds | None = Non
     role group mixes individually important heads with weak ones, the weak members alone."""
     th = thresholds or EvidenceThresholds()
     heads = _heads_of(frame)
-    selective = [h for h, a, b in zip(heads, _flag(frame, "selectivity", th.selectivity),
-                                      _flag(frame, "agg_select", th.agg_select)) if a or b]
+    selective = [h for h, *flags in zip(heads, _flag(frame, "selectivity", th.selectivity),
+                                        _flag(frame, "agg_select", th.agg_select),
+                                        _flag(frame, "agg_after", th.agg_select)) if any(flags)]
     groups: list[Group] = []
     strong: dict[str, set[HeadId]] = {}
     if clean_ld is not None and clean_ld > 0:
@@ -557,7 +559,7 @@ def _reader_readout(engine: AblationEngine, by_group: Mapping[tuple[int, str], l
         found = metrics.pattern_metrics(probs[(layer, kind)], batch) if (layer, kind) in probs else {}
         for h in heads:
             values: dict[str, float | None] = {"dla": _num(dla[:, h.index].mean())}
-            for name in ("selectivity", "agg_select"):
+            for name in ("selectivity", "agg_select", "agg_after"):
                 values[name] = _num(torch.nanmean(found[name][:, h.index])) if name in found else None
             out[h] = values
     return out
@@ -569,8 +571,8 @@ def read_test(engine: AblationEngine, gathers: Sequence[HeadId], readers: Sequen
     reader in a later layer: its selectivity and ``agg_select`` (attention readers) and its direct logit
     effect at the query (final norm frozen at the clean run). One row per (gather, reader) pair;
     ``reads`` is true when the reader's direct effect falls by ``thresholds.read`` of its clean value
-    (which must itself be >= noise * clean logit difference) or its selectivity / agg_select falls by
-    ``thresholds.read_select``."""
+    (which must itself be >= noise * clean logit difference) or its selectivity / selection
+    (:func:`~discovery.metrics.selection`) falls by ``thresholds.read_select``."""
     th = thresholds or EvidenceThresholds()
     clean_ld = float(engine.clean.logit_diff.mean())
     pairs = [(g, r) for g in gathers for r in readers if r.layer > g.layer and r.layer < engine.n_active_layers]
@@ -590,7 +592,9 @@ def read_test(engine: AblationEngine, gathers: Sequence[HeadId], readers: Sequen
             dla_drop = None
             if c["dla"] is not None and u["dla"] is not None and c["dla"] > max(th.noise * clean_ld, 1e-9):
                 dla_drop = (c["dla"] - u["dla"]) / c["dla"]
-            sel_fall = [c[k] - u[k] for k in ("selectivity", "agg_select") if c[k] is not None and u[k] is not None]
+            sel_fall = [c["selectivity"] - u["selectivity"]] if None not in (c["selectivity"], u["selectivity"]) else []
+            if c["agg_select"] is not None and u["agg_select"] is not None:
+                sel_fall.append(selection(c) - selection(u))
             reads = (dla_drop is not None and dla_drop >= th.read) or any(f >= th.read_select for f in sel_fall)
             rows.append({"gather": str(g), "reader": str(r), "select_clean": c["selectivity"],
                          "select_ablated": u["selectivity"], "agg_select_clean": c["agg_select"],
@@ -676,7 +680,7 @@ def verdicts(frame: pl.DataFrame, groups: pl.DataFrame | None, thresholds: Evide
 
     Roles (first that applies):
 
-    - ``aggregate``: an aggregate-like pattern (selectivity or agg_select >= threshold) and an effect at
+    - ``aggregate``: an aggregate-like pattern (selectivity, or agg_select / agg_after >= threshold) and an effect at
       the query: its own query-position drop counts and is at least ``located`` of its all-position drop
       (full or minimal model, :func:`lives_at`), or it is credited by a significant query-scoped group of
       such heads (the spare-one test);
@@ -724,9 +728,9 @@ def verdicts(frame: pl.DataFrame, groups: pl.DataFrame | None, thresholds: Evide
         h = HeadId(int(row["layer"]), int(row["head"]), str(row["kind"]))
         name = str(h)
         sel, sel_ok = _num(row.get("selectivity")), False
-        aggs = _num(row.get("agg_select"))
         gscore = _num(row.get("gather_score"))
-        agg_pattern = (sel is not None and sel >= th.selectivity) or (aggs is not None and aggs >= th.agg_select)
+        # selection on the gold option's own tokens or just after them (metrics.selection)
+        agg_pattern = (sel is not None and sel >= th.selectivity) or selection(row) >= th.agg_select
         gather_pattern = gscore is not None and gscore >= th.gather_score
         sel_ok = agg_pattern
         eff = {s: _effect(row, f"d_ld_{s}") for s in SCOPE_ABLATIONS}

@@ -5,14 +5,18 @@ For one task's batch and head table:
 1. **Candidates**: the ``n_gather`` heads with the highest P(gather) and the ``n_aggregate`` with the
    highest P(aggregate) (the shipped classifier; without one, the pattern × effect evidence stands in),
    paired whenever the gather head's layer is before the aggregate head's (any distance).
-2. **Interaction test** per pair (DESIGN.md: knock out the gather head, watch the aggregate head):
-   - ``select_drop`` / ``focus_drop``: how much of the aggregate head's ``agg_select`` / ``agg_focus``
-     is lost when the gather head is zero-ablated (relative to its clean value, clipped to [0, 1]);
-   - ``effect_dependence``: the share of the aggregate head's own ablation effect that disappears once
-     the gather head is gone, ``(d_a - (d_ga - d_g)) / d_a`` (0 for independent heads; near 1 when the
-     aggregate head only matters through the gather head — or when the gather head alone already
-     breaks the task, which is why the pattern test carries more weight).
-   ``score = w(g) · w(a) · (0.4 + 0.4 · max(select_drop, focus_drop) + 0.2 · effect_dependence)``, where a
+2. **Interaction test** per pair (DESIGN.md: knock out the gather head, watch the aggregate head), the
+   same two tests the ground truth (:mod:`discovery.truth`) confirms a pair by:
+   - ``select_drop`` / ``focus_drop``: how much of the aggregate head's selection
+     (:func:`~discovery.metrics.selection`: ``agg_select``, or ``agg_after`` for a head that reads just past
+     the option) / ``agg_focus`` is lost when the gather head is zero-ablated (relative to its clean
+     value, clipped to [0, 1]): without the gather head the aggregate head no longer finds the option;
+   - ``mediated``: the share of the gather head's cost at the segment positions that holding the
+     aggregate head at its clean output at the query gives back (clipped to [0, 1]; null when that cost
+     is under ``MIN_MEDIATED_COST`` of the clean logit difference): what the aggregate head reads is what
+     the gather head wrote. Unlike comparing the heads' single and joint ablations, it does not read
+     "dependence" into two heads that each break the task alone.
+   ``score = w(g) · w(a) · (0.4 + 0.6 · max(select_drop, focus_drop, mediated))``, where a
    head's weight ``w`` is 1 when the evidence stage gave it the role (pattern and effect at the right
    positions) and its classifier probability otherwise: a head that passed the causal test outranks one
    that only looks like the heads of the training set (on SmolLM2 every P(gather) was below 0.02, which
@@ -49,17 +53,19 @@ import torch
 from .ablation import Ablation, AblationEngine
 from .errors import GascanError
 from .heads import HeadId
+from .metrics import selection
 from .stats import bootstrap_ci
 
 PAIR_COLUMNS = (
     "task", "rank", "gather_layer", "gather_head", "gather_kind", "aggregate_layer", "aggregate_head",
     "aggregate_kind", "p_gather", "p_aggregate", "gather_role", "aggregate_role", "select_clean", "select_ablated", "select_drop", "focus_clean",
-    "focus_ablated", "focus_drop", "effect_gather", "effect_aggregate", "effect_dependence", "score",
+    "focus_ablated", "focus_drop", "effect_gather", "effect_aggregate", "mediated", "score",
     "joint_effect", "joint_effect_lo", "joint_effect_hi", "joint_acc", "control_mean", "control_q05",
     "control_q95", "control_n", "control_p", "verified",
 )
 MIN_CONTROLS = 3
 CONFIDENT_P = 0.5  # both heads' role probabilities for a verified pair to count as confident
+MIN_MEDIATED_COST = 0.05  # share of the clean logit difference a gather head must cost for ``mediated``
 
 
 def head_probabilities(frame: pl.DataFrame, summary: Mapping[str, Any] | None = None,
@@ -84,7 +90,7 @@ def head_probabilities(frame: pl.DataFrame, summary: Mapping[str, Any] | None = 
 
 def aggregate_metrics_under(lm: Any, batch: Any, ablate: HeadId | None, watch: Sequence[HeadId], *,
                             engine: AblationEngine | None = None, chunk: int = 16) -> dict[HeadId, dict[str, float]]:
-    """``agg_select`` and ``agg_focus`` (means over prompts) of the ``watch`` heads, with ``ablate``
+    """``agg_select``, ``agg_after`` and ``agg_focus`` (means over prompts) of the ``watch`` heads, with ``ablate``
     zero-ablated at every position through the engine's own edits (clean when ``ablate`` is None)."""
     from .patterns import pattern_metric_values
 
@@ -95,7 +101,7 @@ def aggregate_metrics_under(lm: Any, batch: Any, ablate: HeadId | None, watch: S
     found = pattern_metric_values(lm, batch, layers=sorted({h.layer for h in watch}),
                                   kinds=sorted({h.kind for h in watch}), chunk_prompts=chunk, edits_for=edits_for)
     return {h: {name: float(torch.nanmean(found[(h.layer, h.kind)][name][:, h.index]).item())
-                for name in ("agg_select", "agg_focus")} for h in watch}
+                for name in ("agg_select", "agg_after", "agg_focus")} for h in watch}
 
 
 def _nan_to_none(x: Any) -> Any:
@@ -156,11 +162,18 @@ def rank_pairs(lm: Any, batch: Any, heads_frame: pl.DataFrame, k: int = 3, *, su
     singles = {h: i for i, h in enumerate(sorted(set(gs) | set(as_)))}
     ablations = [Ablation((h,), label=str(h)) for h in singles]
     ablations += [Ablation((g, a), label=f"{g}+{a}") for g, a in candidates]
+    # the mediation test: each gather head at the segments, then once per pair with the aggregate head held
+    ablations += [Ablation((g,), "zero", ("segment",)) for g in gs]
+    ablations += [Ablation((g,), "zero", ("segment",), hold=(a,)) for g, a in candidates]
     effects = engine.effects(ablations)  # [ablation, prompt]
     ld = effects["logit_diff"].double()
     acc = effects["acc"].double()
-    single = ld[: len(singles)].mean(-1)  # [head]
-    joint = ld[len(singles):]  # [pair, prompt]
+    n_single, n_pair = len(singles), len(candidates)
+    single = ld[:n_single].mean(-1)  # [head]
+    joint = ld[n_single:n_single + n_pair]  # [pair, prompt]
+    segment_cost = dict(zip(gs, ld[n_single + n_pair:n_single + n_pair + len(gs)].mean(-1).tolist()))
+    held_cost = ld[n_single + n_pair + len(gs):].mean(-1).tolist()  # [pair]
+    min_cost = MIN_MEDIATED_COST * abs(float(engine.clean.logit_diff.mean()))
 
     clean_agg = aggregate_metrics_under(lm, batch, None, as_)
     under = {g: aggregate_metrics_under(lm, batch, g, [a for g2, a in candidates if g2 == g], engine=engine)
@@ -169,14 +182,13 @@ def rank_pairs(lm: Any, batch: Any, heads_frame: pl.DataFrame, k: int = 3, *, su
     rows = []
     for i, (g, a) in enumerate(candidates):
         d_g, d_a = float(single[singles[g]]), float(single[singles[a]])
-        d_ga = float(joint[i].mean())
-        dependence = (d_a - (d_ga - d_g)) / d_a if d_a < -1e-6 else None
-        dependence = None if dependence is None else float(min(1.0, max(-1.0, dependence)))
-        sel_c, foc_c = clean_agg[a]["agg_select"], clean_agg[a]["agg_focus"]
-        sel_u, foc_u = under[g][a]["agg_select"], under[g][a]["agg_focus"]
+        cost = segment_cost[g]
+        mediated = float(min(1.0, max(0.0, 1.0 - held_cost[i] / cost))) if cost <= -min_cost else None
+        sel_c, foc_c = selection(clean_agg[a]), clean_agg[a]["agg_focus"]
+        sel_u, foc_u = selection(under[g][a]), under[g][a]["agg_focus"]
         sel_drop, foc_drop = _relative_drop(sel_c, sel_u), _relative_drop(foc_c, foc_u)
-        interaction = max(x for x in (sel_drop, foc_drop, 0.0) if x is not None)
-        score = role_weight(g, 0) * role_weight(a, 1) * (0.4 + 0.4 * interaction + 0.2 * max(0.0, dependence or 0.0))
+        interaction = max(x for x in (sel_drop, foc_drop, mediated, 0.0) if x is not None)
+        score = role_weight(g, 0) * role_weight(a, 1) * (0.4 + 0.6 * interaction)
         rows.append({
             "task": task, "gather_layer": g.layer, "gather_head": g.index, "gather_kind": g.kind,
             "aggregate_layer": a.layer, "aggregate_head": a.index, "aggregate_kind": a.kind,
@@ -184,7 +196,7 @@ def rank_pairs(lm: Any, batch: Any, heads_frame: pl.DataFrame, k: int = 3, *, su
             "gather_role": role_of.get(g), "aggregate_role": role_of.get(a),
             "select_clean": _nan_to_none(sel_c), "select_ablated": _nan_to_none(sel_u), "select_drop": sel_drop,
             "focus_clean": _nan_to_none(foc_c), "focus_ablated": _nan_to_none(foc_u), "focus_drop": foc_drop,
-            "effect_gather": d_g, "effect_aggregate": d_a, "effect_dependence": dependence, "score": float(score),
+            "effect_gather": d_g, "effect_aggregate": d_a, "mediated": mediated, "score": float(score),
             "_pair": i,
         })
     rows.sort(key=lambda r: -r["score"])

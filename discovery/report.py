@@ -622,7 +622,8 @@ def _pairs_section(scan: Scan) -> Section:
         return sec
     sec.paragraphs.append(
         "Score: classifier probabilities and the interaction test (ablating the gather head changes the "
-        "aggregate head's selection and its own effect). Joint effect: Δ logit diff when both heads are "
+        "aggregate head's selection, or holding the aggregate head at its clean output gives back the gather "
+        "head's cost: the mediated share). Joint effect: Δ logit diff when both heads are "
         "ablated, with its 95% bootstrap interval; control: the same for random head pairs from the same two "
         "layers (mean and 5–95% range); verified when the joint effect lies below the control's 5th percentile.")
     rows = []
@@ -631,14 +632,14 @@ def _pairs_section(scan: Scan) -> Section:
             r.get("rank"), r.get("task", ""),
             head_name(r["gather_layer"], r["gather_head"], r["gather_kind"]),
             head_name(r["aggregate_layer"], r["aggregate_head"], r["aggregate_kind"]),
-            r.get("score"), r.get("p_gather"), r.get("p_aggregate"), r.get("select_drop"), r.get("effect_dependence"),
+            r.get("score"), r.get("p_gather"), r.get("p_aggregate"), r.get("select_drop"), r.get("mediated"),
             _ci(r, "joint_effect") if r.get("joint_effect") is not None else "–",
             (f"{fmt(r.get('control_mean'))} [{fmt(r.get('control_q05'))}, {fmt(r.get('control_q95'))}]"
              if r.get("control_mean") is not None else "–"),
             r.get("verified"),
         ])
     sec.tables.append(Table(["rank", "task", "gather", "aggregate", "score", "P(g)", "P(a)", "select drop",
-                             "effect dependence", "joint Δ logit diff", "control Δ", "verified"], rows))
+                             "mediated", "joint Δ logit diff", "control Δ", "verified"], rows))
     return sec
 
 

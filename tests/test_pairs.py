@@ -52,6 +52,8 @@ def test_ranking_finds_the_planted_pair_first_and_verifies_it(planted):
     assert (best["aggregate_layer"], best["aggregate_head"]) == (3, 0)
     # interaction test: without the gather head the aggregate head no longer selects the gold segment
     assert best["select_clean"] == 1.0 and best["select_drop"] >= 0.5
+    # ... and holding the aggregate head at its clean output gives back the gather head's cost
+    assert best["mediated"] >= 0.9
     # joint ablation against random pairs from the same layers (3 x 3 = 9 pairs, all used)
     assert best["control_n"] == 9 and best["verified"] is True
     assert best["joint_effect_hi"] < best["control_q05"]
@@ -64,6 +66,7 @@ def test_ranking_finds_the_planted_pair_first_and_verifies_it(planted):
     if with_decoy.height:
         assert with_decoy["score"][0] < 0.2 * best["score"]
         assert (with_decoy["select_drop"][0] or 0.0) < 0.2
+        assert with_decoy["mediated"][0] is None  # the decoy costs nothing at the segments: nothing to mediate
     top = fields["top_pairs"][0]
     assert top["gather"] == {"layer": 0, "head": 3, "kind": "attn"}
     assert top["aggregate"] == {"layer": 3, "head": 0, "kind": "attn"}
