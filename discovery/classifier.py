@@ -40,7 +40,7 @@ PUBLISHED_LABELS = "published_heads.json"
 GROUP_KEYS = ("model", "checkpoint", "task")
 
 PATTERN_FEATURES = ("gather_score", "gather_entropy", "agg_focus", "agg_focus_segment", "agg_select", "agg_margin",
-                    "selectivity")
+                    "selectivity", "agg_after")
 FEATURES: tuple[str, ...] = (
     *PATTERN_FEATURES,
     "depth", "is_ssm",
@@ -90,7 +90,8 @@ def head_features(frame: pl.DataFrame) -> pl.DataFrame:
         f = f.with_columns(pl.lit(None, dtype=pl.Float64).alias("clean_ld"))
     # Scale of "one task's worth" of logit difference; the largest single-head drop stands in when the
     # clean score is unknown.
-    biggest = (-pl.min_horizontal(_col(f, "d_ld_all"), _col(f, "d_ld_query"))).max().over(keys) if keys else None
+    biggest = (-pl.min_horizontal(_col(f, "d_ld_all"), _col(f, "d_ld_query"))).max()
+    biggest = biggest.over(keys) if keys else biggest  # a table without model/task columns is one group
     scale = pl.max_horizontal(pl.col("clean_ld").cast(pl.Float64).abs().fill_null(biggest),
                               pl.lit(CLEAN_FLOOR))
     f = f.with_columns(scale.alias("_scale"))
@@ -111,9 +112,11 @@ def head_features(frame: pl.DataFrame) -> pl.DataFrame:
     )
     positive = lambda c: pl.col(c).clip(0.0, 1.0)
     gather_effect = pl.max_horizontal(positive("drop_all"), positive("drop_segment"), positive("drop_summary"))
+    # the aggregate head's selection as the truth rules judge it (metrics.selection): agg_select or agg_after
+    selection = pl.max_horizontal(_col(f, "agg_select"), _col(f, "agg_after"))
     f = f.with_columns(
         (_col(f, "gather_score") * gather_effect).alias("gather_x_effect"),
-        (_col(f, "agg_select") * positive("drop_query")).alias("agg_x_effect"),
+        (selection * positive("drop_query")).alias("agg_x_effect"),
         (_col(f, "agg_focus") * positive("drop_query")).alias("focus_x_effect"),
         *[_col(f, name).alias(name) for name in PATTERN_FEATURES],
     )

@@ -23,6 +23,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--out", default="classifier.json", help="where to write the JSON artifact (default ./classifier.json)")
     t.add_argument("--C", type=float, default=1.0, dest="c", help="inverse L2 regularisation strength (default 1)")
     t.add_argument("--save-table", default=None, metavar="PARQUET", help="also write the labelled training rows")
+    t.add_argument("--provenance", default=None, metavar="TEXT",
+                   help="how the tables were made (commands), stored in the artifact's meta as 'data'")
     t.set_defaults(func=run_train)
 
     e = actions.add_parser("eval", help="leave-one-model-out precision and recall per role",
@@ -85,6 +87,8 @@ def run_train(args: argparse.Namespace) -> int:
     labelled = _labelled(args)
     lomo = leave_one_model_out(labelled, c=args.c) if labelled.select("model", "checkpoint").n_unique() > 1 else None
     meta = {"trained_on": sorted({str(m) for m in labelled["model"].unique().to_list()})}
+    if args.provenance:
+        meta["data"] = args.provenance
     if lomo is not None:
         meta["leave_one_model_out"] = _lomo_summary(lomo)
     clf = train_classifier(labelled, c=args.c, meta=meta)
