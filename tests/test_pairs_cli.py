@@ -52,3 +52,19 @@ def test_scan_then_report_with_pairs_names_the_planted_pair(tmp_path, capsys):
     assert main(["place", str(out), "--unit", "head", "--budget", "2", "--json"]) == 0
     chosen = {(c["layer"], c["head"]) for c in json.loads(capsys.readouterr().out)}
     assert chosen == {(1, 0), (2, 3)}
+
+
+def test_scan_of_the_width2_mamba2_toy_names_its_ssm_pair(tmp_path):
+    """End to end on an SSM toy whose query heads read just past the gold option (bundled
+    mc-mamba2-k2): the evidence stage calls L1S0 a gather head and L2S1 an aggregate head, and the top
+    pair L1S0 -> L2S1 is confident, found by the mediation test (holding L2S1 clean gives back a large
+    share of L1S0's cost) while the selection test sees nothing (L2S1 reads the same place without L1S0)."""
+    out = tmp_path / "scan"
+    assert main(["scan", "bundled:mc-mamba2-k2", "--prompts", "16", "--out", str(out), "--no-report"]) == 0
+    roles = {(r["layer"], r["head"]): r["role"] for r in pl.read_parquet(out / "evidence.parquet").iter_rows(named=True)}
+    assert roles[(1, 0)] == "gather" and roles[(2, 1)] == "aggregate" and roles[(0, 4)] == "other_important"
+    top = pl.read_parquet(out / "pairs.parquet").sort("rank").row(0, named=True)
+    assert (top["gather_layer"], top["gather_head"], top["aggregate_layer"], top["aggregate_head"]) == (1, 0, 2, 1)
+    assert top["mediated"] >= 0.4 and top["select_drop"] < 0.1 and top["verified"] is True
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["top_pairs"][0]["confident"] is True
