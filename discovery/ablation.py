@@ -440,6 +440,15 @@ def replace_heads(edit_mask: torch.Tensor, width: int, means: torch.Tensor | Non
     return edit
 
 
+def mediated_share(cost: float, held: float, min_cost: float = 0.0) -> float | None:
+    """The share of an ablation's cost (``cost`` < 0, logit-difference units) that holding heads at their
+    clean outputs gives back (``held``: the effect with them held): ``1 - held / cost``. None when the
+    ablation costs less than ``min_cost``, where the share would be noise."""
+    if not cost < -abs(min_cost):  # also None for a NaN cost
+        return None
+    return 1.0 - held / cost
+
+
 def hold_heads(hold_mask: torch.Tensor, width: int, clean: torch.Tensor,
                previous: Callable[[torch.Tensor], torch.Tensor] | None) -> Callable[[torch.Tensor], torch.Tensor]:
     """An out-projection input edit applied after ``previous`` (this layer's own ablation edits, if

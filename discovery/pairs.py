@@ -50,7 +50,7 @@ import numpy as np
 import polars as pl
 import torch
 
-from .ablation import Ablation, AblationEngine
+from .ablation import Ablation, AblationEngine, mediated_share
 from .errors import GascanError
 from .heads import HeadId
 from .metrics import selection
@@ -182,8 +182,8 @@ def rank_pairs(lm: Any, batch: Any, heads_frame: pl.DataFrame, k: int = 3, *, su
     rows = []
     for i, (g, a) in enumerate(candidates):
         d_g, d_a = float(single[singles[g]]), float(single[singles[a]])
-        cost = segment_cost[g]
-        mediated = float(min(1.0, max(0.0, 1.0 - held_cost[i] / cost))) if cost <= -min_cost else None
+        mediated = mediated_share(segment_cost[g], held_cost[i], min_cost)
+        mediated = None if mediated is None else float(min(1.0, max(0.0, mediated)))
         sel_c, foc_c = selection(clean_agg[a]), clean_agg[a]["agg_focus"]
         sel_u, foc_u = selection(under[g][a]), under[g][a]["agg_focus"]
         sel_drop, foc_drop = _relative_drop(sel_c, sel_u), _relative_drop(foc_c, foc_u)

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from .ablation import Ablation, AblationEngine, single_head_ablations
+from .ablation import Ablation, AblationEngine, mediated_share, single_head_ablations
 from .heads import HeadId
 from .loading import LoadedModel
 from .metrics import selection
@@ -119,7 +119,7 @@ def ground_truth(lm: LoadedModel, batch: AnnotatedBatch, rules: TruthRules = Tru
                               ).logit_diff.mean(1).double()
         for a, held in zip(later, cost[1:].tolist()):
             before, after = selection(pattern[a]), selection(under[a])
-            mediated = 1.0 - held / float(cost[0]) if float(cost[0]) < 0 else None
+            mediated = mediated_share(float(cost[0]), held)
             pairs.append({"gather": g.as_dict(), "aggregate": a.as_dict(), "selection_clean": before,
                           "selection_without_gather": after, "effect_gather": float(cost[0]),
                           "effect_aggregate_held": held, "mediated": mediated,

@@ -212,3 +212,12 @@ def test_holding_a_head_equals_patching_its_clean_columns_by_hand(arch):
         "logit_diff"]
     assert torch.allclose(held, by_hand.logit_diff[0], atol=1e-5)
     assert (held - plain).abs().max() > 1e-6
+
+
+def test_mediated_share_is_the_cost_given_back():
+    from discovery.ablation import mediated_share
+
+    assert mediated_share(-4.0, -1.0) == pytest.approx(0.75)
+    assert mediated_share(-4.0, -4.0) == 0.0 and mediated_share(-4.0, 0.0) == 1.0
+    assert mediated_share(0.0, 0.0) is None and mediated_share(-0.1, 0.0, min_cost=0.5) is None
+    assert mediated_share(float("nan"), 1.0) is None
