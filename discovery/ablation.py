@@ -3,7 +3,8 @@
 One engine serves every caller (the sweep, pair tests, group ablations, placement, benchmarks).
 An :class:`Ablation` names heads edited together, how (``zero``, ``mean``, ``knockout``) and where
 (position classes), and optionally heads *held* at their clean outputs meanwhile (``hold``: the
-mediation test, how much of an edit's effect flows through the held heads). :meth:`AblationEngine.run` evaluates many ablations at once:
+mediation test, how much of an edit's effect flows through the held heads).
+:meth:`AblationEngine.run` evaluates many ablations at once:
 
 - rows = ablation × prompt in one forward (chunked to a memory budget);
 - the clean run's hidden state before layer l is reused, so an ablation whose first edited layer is
