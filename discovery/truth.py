@@ -122,7 +122,7 @@ def ground_truth(lm: LoadedModel, batch: AnnotatedBatch, rules: TruthRules = Tru
             mediated = mediated_share(float(cost[0]), held)
             pairs.append({"gather": g.as_dict(), "aggregate": a.as_dict(), "selection_clean": before,
                           "selection_without_gather": after, "effect_gather": float(cost[0]),
-                          "effect_aggregate_held": held, "mediated": mediated,
+                          "effect_gather_with_aggregate_held": held, "mediated": mediated,
                           "confirmed": bool(before - after >= rules.interaction_drop
                                             or (mediated is not None and mediated >= rules.mediation))})
     confirmed = {(p["gather"]["layer"], p["gather"]["head"], p["gather"]["kind"]) for p in pairs if p["confirmed"]}
