@@ -27,7 +27,9 @@ classifier it is used to train and test:
   gather head's cost (what it reads is what the gather head wrote: the mediated share,
   ``1 - effect with the aggregate held / effect``). In the width-2 Mamba-2 toy the gather head
   changes what the query heads read, not where (another head steers that), so only the second test
-  sees the pair.
+  sees the pair. ``joint_mediation`` records, per gather candidate, the share given back by holding
+  every later aggregate head at once (information, not a rule: redundant aggregate heads each mediate
+  little, together most).
 
 ``pattern_margin`` compares each role's weakest head on its defining metric (``selection``,
 ``gather_score``) with the strongest other head whose ablation costs at least ``set_fraction``.
@@ -103,7 +105,7 @@ def ground_truth(lm: LoadedModel, batch: AnnotatedBatch, rules: TruthRules = Tru
         rows.append(row)
     aggregate_set = _redundant_aggregates(engine, heads, rows, clean_ld, threshold, rules)
     aggregates = [HeadId(r["layer"], r["head"], r["kind"]) for r in rows if r["aggregate"]]
-    pairs = []
+    pairs, joint_mediation = [], []
     for r in rows:
         if not r["gather_candidate"]:
             continue
@@ -114,10 +116,15 @@ def ground_truth(lm: LoadedModel, batch: AnnotatedBatch, rules: TruthRules = Tru
         without = Ablation((g,), "zero", ("segment",))
         under = _metric_table(lm, batch, layers=sorted({a.layer for a in later}),
                               edits_for=lambda rows, without=without: engine.plan([without], rows))
-        # [1 + aggregate]: the gather head's cost alone, then with each aggregate head held clean at the query
-        cost = engine.effects([without, *(Ablation((g,), "zero", ("segment",), hold=(a,)) for a in later)]
+        # [2 + aggregate]: the gather head's cost alone, with every later aggregate head held clean at the
+        # query, then with each one held alone
+        holds = [tuple(later), *((a,) for a in later)]
+        cost = engine.effects([without, *(Ablation((g,), "zero", ("segment",), hold=h) for h in holds)]
                               ).logit_diff.mean(1).double()
-        for a, held in zip(later, cost[1:].tolist()):
+        joint_mediation.append({"gather": g.as_dict(), "aggregates": [a.as_dict() for a in later],
+                                "effect_gather": float(cost[0]), "effect_gather_with_aggregates_held": float(cost[1]),
+                                "mediated": mediated_share(float(cost[0]), float(cost[1]))})
+        for a, held in zip(later, cost[2:].tolist()):
             before, after = selection(pattern[a]), selection(under[a])
             mediated = mediated_share(float(cost[0]), held)
             pairs.append({"gather": g.as_dict(), "aggregate": a.as_dict(), "selection_clean": before,
@@ -142,6 +149,7 @@ def ground_truth(lm: LoadedModel, batch: AnnotatedBatch, rules: TruthRules = Tru
         "gather": [{"layer": r["layer"], "head": r["head"], "kind": r["kind"]} for r in rows if r["role"] == "gather"],
         "aggregate": [{"layer": r["layer"], "head": r["head"], "kind": r["kind"]} for r in rows if r["role"] == "aggregate"],
         "pairs": pairs,
+        "joint_mediation": joint_mediation,
         "margin": None if weakest is None or strongest_other is None else {
             "weakest_ga_effect": weakest, "strongest_other_effect": strongest_other,
             "ratio": (weakest / strongest_other) if strongest_other < 0 else None},

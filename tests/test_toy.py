@@ -228,6 +228,9 @@ def test_bundled_model_truth_has_a_gather_head_feeding_aggregate_heads(tmp_path,
     confirmed = [p for p in truth["pairs"] if p["confirmed"]]
     # confirmed because the aggregate heads lose the gold option without the gather head
     assert confirmed and all(p["selection_without_gather"] < p["selection_clean"] - 0.2 for p in confirmed)
+    # each redundant aggregate head carries a little of the gather head's effect, all of them most of it
+    (joint,) = truth["joint_mediation"]
+    assert max(p["mediated"] for p in truth["pairs"]) < 0.3 and joint["mediated"] >= 0.7
     margins = truth["pattern_margin"]
     assert margins["gather"]["difference"] >= 0.5 and margins["aggregate"]["difference"] >= 0.5
     assert "gather: L1H0" in capsys.readouterr().err
@@ -294,6 +297,8 @@ def test_bundled_width2_mamba2_toy_has_a_pair_that_reads_the_gold_option_one_ste
         assert abs(p["selection_clean"] - p["selection_without_gather"]) < 0.05  # where it reads: unchanged
     assert pairs[(2, 1)]["mediated"] >= 0.4 and pairs[(2, 6)]["mediated"] >= 0.1
     assert pairs[(2, 1)]["mediated"] + pairs[(2, 6)]["mediated"] <= 1.0
+    (joint,) = truth["joint_mediation"]  # L2S1 and L2S6 held together carry most of L1S0's effect
+    assert joint["mediated"] >= 0.6 and joint["mediated"] >= pairs[(2, 1)]["mediated"]
     assert "L1S0->L2S1" in capsys.readouterr().err
 
 

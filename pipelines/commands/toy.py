@@ -191,6 +191,10 @@ def truth_summary(truth: dict) -> str:
              f"gather: {', '.join(map(name, truth['gather'])) or 'none'}",
              f"aggregate: {', '.join(map(name, truth['aggregate'])) or 'none'}",
              f"confirmed pairs: {', '.join(pairs) or 'none'}"]
+    for j in truth.get("joint_mediation") or []:
+        lines.append(f"{name(j['gather'])}'s cost flowing through all later aggregate heads together: "
+                     f"{fmt(j['mediated'], 2)} ({j['effect_gather']:+.2f} -> {j['effect_gather_with_aggregates_held']:+.2f} "
+                     f"with {', '.join(map(name, j['aggregates']))} held)")
     group = truth.get("aggregate_set")
     if group:
         lines.append(f"redundant aggregate set {', '.join(map(name, group['heads']))}: joint query ablation "
