@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -319,12 +319,9 @@ class AblationEngine:
         """Edit functions for a chunk of ablations (rows ablation-major)."""
         classes = self.classes if rows is None else {k: v[rows] for k, v in self.classes.items()}
         n, p = len(ablations), int(classes["all"].shape[0])
-        late = [a.name for a in ablations if max(h.layer for h in a.heads) >= self.n_active_layers]
+        late = [a.name for a in ablations if max(h.layer for h in (*a.heads, *a.hold)) >= self.n_active_layers]
         if late:
-            raise ValueError(f"ablation {late[0]} edits a layer after readout layer {self.readout_layer}")
-        late = [a.name for a in ablations if any(h.layer >= self.n_active_layers for h in a.hold)]
-        if late:
-            raise ValueError(f"ablation {late[0]} holds a head after readout layer {self.readout_layer}")
+            raise ValueError(f"ablation {late[0]} edits or holds a layer after readout layer {self.readout_layer}")
         config = PassConfig(stop_layer=self.readout_layer)
         touched = sorted({(h.layer, h.kind) for a in ablations for h in a.heads})
         for layer, kind in touched:
@@ -372,8 +369,10 @@ class AblationEngine:
                     hold_mask[a][:, :, heads] = scope_positions(classes, abl.hold_scope)[:, :, None]
             clean = self._clean_values(layer, kind)
             clean = clean if rows is None else clean[rows]  # [prompt, pos, in]
-            config.proj_edits[(layer, kind)] = hold_heads(hold_mask.reshape(n * p, -1, group.count), group.width,
-                                                          clean, config.proj_edits.get((layer, kind)))
+            # held heads take their clean values: replace_heads with every row replacing
+            hold = replace_heads(hold_mask.reshape(n * p, -1, group.count), group.width, clean,
+                                 torch.ones(n * p, dtype=torch.bool, device=self.device))
+            config.proj_edits[(layer, kind)] = _after(config.proj_edits.get((layer, kind)), hold)
         return config
 
     # -- running --------------------------------------------------------------------------------
@@ -420,10 +419,19 @@ class AblationEngine:
         scores = scores if scores is not None else self.run(ablations)
         return Scores(*(scores[m] - self.clean[m] for m in METRICS))
 
+    def mediation(self, ablation: Ablation, holds: Sequence[Sequence[HeadId]]) -> tuple[float, list[float]]:
+        """The mediation test in one batched run: the mean logit-difference effect of ``ablation``, and
+        its effect with each head set of ``holds`` held at its clean outputs (at ``ablation.hold_scope``).
+        :func:`mediated_share` turns each pair into the share of the cost those heads carry."""
+        runs = [replace(ablation, hold=()), *(replace(ablation, hold=tuple(h)) for h in holds)]
+        effect = self.effects(runs).logit_diff.mean(1).double().tolist()  # [1 + hold set]
+        return effect[0], effect[1:]
+
 
 def replace_heads(edit_mask: torch.Tensor, width: int, means: torch.Tensor | None,
                    mean_rows: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
-    """An out-projection input edit: the masked heads' columns become 0 (or the class mean)."""
+    """An out-projection input edit: the masked heads' columns become 0, or, on the rows ``mean_rows``
+    marks, the values ``means`` ``[prompt, pos, in]`` (class means, or a held head's clean values)."""
 
     def edit(x: torch.Tensor) -> torch.Tensor:  # x [row, pos, in]
         rows, pos, _ = x.shape
@@ -450,21 +458,10 @@ def mediated_share(cost: float, held: float, min_cost: float = 0.0) -> float | N
     return 1.0 - held / cost
 
 
-def hold_heads(hold_mask: torch.Tensor, width: int, clean: torch.Tensor,
-               previous: Callable[[torch.Tensor], torch.Tensor] | None) -> Callable[[torch.Tensor], torch.Tensor]:
-    """An out-projection input edit applied after ``previous`` (this layer's own ablation edits, if
-    any): the masked heads' columns take their clean-run values ``clean`` ``[prompt, pos, in]``."""
-
-    def edit(x: torch.Tensor) -> torch.Tensor:  # x [row, pos, in]
-        if previous is not None:
-            x = previous(x)
-        rows, pos, _ = x.shape
-        mask = hold_mask[:, -pos:]  # [row, pos, head]; a cached single-token pass sees the last position only
-        repl = clean[:, -pos:].to(x.dtype).repeat(rows // clean.shape[0], 1, 1).view(rows, pos, -1, width)
-        out = torch.where(mask[..., None], repl, x.view(rows, pos, -1, width))  # [row, pos, head, width]
-        return out.reshape(rows, pos, -1)
-
-    return edit
+def _after(previous: Callable[[torch.Tensor], torch.Tensor] | None,
+           edit: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``edit`` applied after ``previous`` (this layer's own ablation edits, when there are any)."""
+    return edit if previous is None else (lambda x: edit(previous(x)))
 
 
 def _knockout_probs(knock, n: int, p: int, n_heads: int, t: int, device) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -82,6 +82,8 @@ def _col(frame: pl.DataFrame, name: str) -> pl.Expr:
 
 def head_features(frame: pl.DataFrame) -> pl.DataFrame:
     """The :data:`FEATURES` of every row (null = not measured), normalised per (model, checkpoint, task)."""
+    from .metrics import SELECTION_METRICS  # here, not at the top: importing the classifier needs no torch
+
     if frame.height == 0:
         return pl.DataFrame({f: [] for f in FEATURES}, schema={f: pl.Float64 for f in FEATURES})
     keys = [k for k in GROUP_KEYS if k in frame.columns]
@@ -113,7 +115,7 @@ def head_features(frame: pl.DataFrame) -> pl.DataFrame:
     positive = lambda c: pl.col(c).clip(0.0, 1.0)
     gather_effect = pl.max_horizontal(positive("drop_all"), positive("drop_segment"), positive("drop_summary"))
     # the aggregate head's selection as the truth rules judge it (metrics.selection): agg_select or agg_after
-    selection = pl.max_horizontal(_col(f, "agg_select"), _col(f, "agg_after"))
+    selection = pl.max_horizontal(*(_col(f, name) for name in SELECTION_METRICS))
     f = f.with_columns(
         (_col(f, "gather_score") * gather_effect).alias("gather_x_effect"),
         (selection * positive("drop_query")).alias("agg_x_effect"),

@@ -44,7 +44,7 @@ from .ablation import Ablation, AblationEngine, Progress, query_scores, single_h
 from .errors import GascanError
 from .heads import HeadId
 from .loading import LoadedModel
-from .metrics import linearised_norm_scale, selection
+from .metrics import SELECTION_METRICS, linearised_norm_scale, selection
 from .stats import bootstrap_ci
 from .tasks.base import AnnotatedBatch
 
@@ -326,8 +326,8 @@ def role_groups(frame: pl.DataFrame, thresholds: EvidenceThresholds | None = Non
     th = thresholds or EvidenceThresholds()
     heads = _heads_of(frame)
     selective = [h for h, *flags in zip(heads, _flag(frame, "selectivity", th.selectivity),
-                                        _flag(frame, "agg_select", th.agg_select),
-                                        _flag(frame, "agg_after", th.agg_select)) if any(flags)]
+                                        *(_flag(frame, name, th.agg_select) for name in SELECTION_METRICS))
+                 if any(flags)]
     groups: list[Group] = []
     strong: dict[str, set[HeadId]] = {}
     if clean_ld is not None and clean_ld > 0:
@@ -559,8 +559,9 @@ def _reader_readout(engine: AblationEngine, by_group: Mapping[tuple[int, str], l
         found = metrics.pattern_metrics(probs[(layer, kind)], batch) if (layer, kind) in probs else {}
         for h in heads:
             values: dict[str, float | None] = {"dla": _num(dla[:, h.index].mean())}
-            for name in ("selectivity", "agg_select", "agg_after"):
+            for name in ("selectivity", *SELECTION_METRICS):
                 values[name] = _num(torch.nanmean(found[name][:, h.index])) if name in found else None
+            values["selection"] = selection(values) if found else None
             out[h] = values
     return out
 
@@ -592,9 +593,7 @@ def read_test(engine: AblationEngine, gathers: Sequence[HeadId], readers: Sequen
             dla_drop = None
             if c["dla"] is not None and u["dla"] is not None and c["dla"] > max(th.noise * clean_ld, 1e-9):
                 dla_drop = (c["dla"] - u["dla"]) / c["dla"]
-            sel_fall = [c["selectivity"] - u["selectivity"]] if None not in (c["selectivity"], u["selectivity"]) else []
-            if c["agg_select"] is not None and u["agg_select"] is not None:
-                sel_fall.append(selection(c) - selection(u))
+            sel_fall = [c[k] - u[k] for k in ("selectivity", "selection") if c[k] is not None and u[k] is not None]
             reads = (dla_drop is not None and dla_drop >= th.read) or any(f >= th.read_select for f in sel_fall)
             rows.append({"gather": str(g), "reader": str(r), "select_clean": c["selectivity"],
                          "select_ablated": u["selectivity"], "agg_select_clean": c["agg_select"],

@@ -291,12 +291,16 @@ def agg_after(pattern: Tensor, batch: AnnotatedBatch) -> Tensor:
     return _agg_parts(pattern, batch)["agg_after"]
 
 
+SELECTION_METRICS = ("agg_select", "agg_after")
+"""The metrics whose larger value is a head's :func:`selection`."""
+
+
 def selection(values: Mapping[str, float | None]) -> float:
     """How strongly a head's query picks the gold option, from its mean metrics: ``agg_select`` (the
     option's own tokens win) or ``agg_after`` (the tokens right after it, where an SSM state holds the
-    finished option), whichever is larger; 0 where neither was measured. The ground-truth rules and the
-    pair tests judge an aggregate head's selection by this one number."""
-    found = [float(v) for v in (values.get("agg_select"), values.get("agg_after"))
+    finished option), whichever is larger; 0 where neither was measured. The ground-truth rules, the
+    evidence roles, the pair tests and the classifier judge an aggregate head's selection by it."""
+    found = [float(v) for v in (values.get(name) for name in SELECTION_METRICS)
              if v is not None and not math.isnan(float(v))]
     return max(found, default=0.0)
 

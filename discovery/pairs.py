@@ -162,27 +162,24 @@ def rank_pairs(lm: Any, batch: Any, heads_frame: pl.DataFrame, k: int = 3, *, su
     singles = {h: i for i, h in enumerate(sorted(set(gs) | set(as_)))}
     ablations = [Ablation((h,), label=str(h)) for h in singles]
     ablations += [Ablation((g, a), label=f"{g}+{a}") for g, a in candidates]
-    # the mediation test: each gather head at the segments, then once per pair with the aggregate head held
-    ablations += [Ablation((g,), "zero", ("segment",)) for g in gs]
-    ablations += [Ablation((g,), "zero", ("segment",), hold=(a,)) for g, a in candidates]
     effects = engine.effects(ablations)  # [ablation, prompt]
     ld = effects["logit_diff"].double()
     acc = effects["acc"].double()
-    n_single, n_pair = len(singles), len(candidates)
-    single = ld[:n_single].mean(-1)  # [head]
-    joint = ld[n_single:n_single + n_pair]  # [pair, prompt]
-    segment_cost = dict(zip(gs, ld[n_single + n_pair:n_single + n_pair + len(gs)].mean(-1).tolist()))
-    held_cost = ld[n_single + n_pair + len(gs):].mean(-1).tolist()  # [pair]
+    single = ld[: len(singles)].mean(-1)  # [head]
+    joint = ld[len(singles):]  # [pair, prompt]
+    # the mediation test: each gather head at the segments, alone and with each partner held at the query
+    partners = {g: [a for g2, a in candidates if g2 == g] for g in gs}
+    mediation = {g: engine.mediation(Ablation((g,), "zero", ("segment",)), [(a,) for a in partners[g]]) for g in gs}
+    held_cost = {(g, a): held for g in gs for a, held in zip(partners[g], mediation[g][1])}
     min_cost = MIN_MEDIATED_COST * abs(float(engine.clean.logit_diff.mean()))
 
     clean_agg = aggregate_metrics_under(lm, batch, None, as_)
-    under = {g: aggregate_metrics_under(lm, batch, g, [a for g2, a in candidates if g2 == g], engine=engine)
-             for g in gs}
+    under = {g: aggregate_metrics_under(lm, batch, g, partners[g], engine=engine) for g in gs}
 
     rows = []
     for i, (g, a) in enumerate(candidates):
         d_g, d_a = float(single[singles[g]]), float(single[singles[a]])
-        mediated = mediated_share(segment_cost[g], held_cost[i], min_cost)
+        mediated = mediated_share(mediation[g][0], held_cost[(g, a)], min_cost)
         mediated = None if mediated is None else float(min(1.0, max(0.0, mediated)))
         sel_c, foc_c = selection(clean_agg[a]), clean_agg[a]["agg_focus"]
         sel_u, foc_u = selection(under[g][a]), under[g][a]["agg_focus"]

@@ -116,19 +116,16 @@ def ground_truth(lm: LoadedModel, batch: AnnotatedBatch, rules: TruthRules = Tru
         without = Ablation((g,), "zero", ("segment",))
         under = _metric_table(lm, batch, layers=sorted({a.layer for a in later}),
                               edits_for=lambda rows, without=without: engine.plan([without], rows))
-        # [2 + aggregate]: the gather head's cost alone, with every later aggregate head held clean at the
-        # query, then with each one held alone
-        holds = [tuple(later), *((a,) for a in later)]
-        cost = engine.effects([without, *(Ablation((g,), "zero", ("segment",), hold=h) for h in holds)]
-                              ).logit_diff.mean(1).double()
+        # the gather head's cost with every later aggregate head held clean at the query, then with each alone
+        cost, (all_held, *held_alone) = engine.mediation(without, [later, *((a,) for a in later)])
         joint_mediation.append({"gather": g.as_dict(), "aggregates": [a.as_dict() for a in later],
-                                "effect_gather": float(cost[0]), "effect_gather_with_aggregates_held": float(cost[1]),
-                                "mediated": mediated_share(float(cost[0]), float(cost[1]))})
-        for a, held in zip(later, cost[2:].tolist()):
+                                "effect_gather": cost, "effect_gather_with_aggregates_held": all_held,
+                                "mediated": mediated_share(cost, all_held)})
+        for a, held in zip(later, held_alone):
             before, after = selection(pattern[a]), selection(under[a])
-            mediated = mediated_share(float(cost[0]), held)
+            mediated = mediated_share(cost, held)
             pairs.append({"gather": g.as_dict(), "aggregate": a.as_dict(), "selection_clean": before,
-                          "selection_without_gather": after, "effect_gather": float(cost[0]),
+                          "selection_without_gather": after, "effect_gather": cost,
                           "effect_gather_with_aggregate_held": held, "mediated": mediated,
                           "confirmed": bool(before - after >= rules.interaction_drop
                                             or (mediated is not None and mediated >= rules.mediation))})
