@@ -100,6 +100,36 @@ def test_ssm_and_hybrid_runs_save_and_reload(tmp_path, arch, extra):
     assert ("--conv-kernel 2" in meta["command"]) == ("conv_kernel" in extra)
 
 
+def test_hybrid_ssm_init_matches_the_mamba2_toy():
+    """--ssm-init mamba2 gives a hybrid's mixers the Mamba-2 toy's start: dt in [0.001, 0.1] instead of
+    Bamba's softplus(1) = 1.31, Kaiming-uniform conv and out_proj; attention and embeddings untouched;
+    the same seed gives the same weights."""
+    import math
+
+    from discovery.toy.models import build_model
+
+    special = {"vocab_size": 400, "bos": 1, "eos": 2, "pad": 0}
+    kw = {"arch": "hybrid", "attn_layers": [1], "layers": 3, "width": 64, "ssm_heads": 4, "conv_kernel": 2}
+    bamba = build_model(TrainConfig(**kw).validate(), special)
+    a = build_model(TrainConfig(**kw, ssm_init="mamba2").validate(), special)
+    b = build_model(TrainConfig(**kw, ssm_init="mamba2").validate(), special)
+    mixers = [m for m in a.modules() if hasattr(m, "dt_bias")]
+    assert len(mixers) == 2  # layers 0 and 2
+    for m in mixers:
+        dt = torch.nn.functional.softplus(m.dt_bias)  # [head]
+        assert dt.min() >= 1e-3 - 1e-7 and dt.max() <= 0.1 + 1e-7 and dt.unique().numel() == 4
+        assert torch.allclose(m.A_log, torch.log(torch.arange(1.0, 5.0)))
+        bound = math.sqrt(6 / (1 + 5)) * math.sqrt(3 / 2)  # kaiming_uniform(a=sqrt 5), fan_in = kernel 2
+        assert m.conv1d.weight.abs().max() <= bound and m.conv1d.weight.std() > 0.2 and not m.conv1d.bias.any()
+    for m in (m for m in bamba.modules() if hasattr(m, "dt_bias")):
+        assert torch.allclose(torch.nn.functional.softplus(m.dt_bias), torch.full((4,), math.log1p(math.e)))
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    attn_a, attn_bamba = a.model.layers[1].self_attn, bamba.model.layers[1].self_attn
+    assert torch.equal(attn_a.q_proj.weight, attn_bamba.q_proj.weight)  # drawn before the re-init
+    with pytest.raises(GascanError, match="--ssm-init"):
+        TrainConfig(**kw, ssm_init="s4").validate()
+
+
 def test_recorded_command_reproduces_every_setting():
     """training.json's command, parsed by the CLI, gives back the same config (every setting has a flag)."""
     import shlex
@@ -109,7 +139,7 @@ def test_recorded_command_reproduces_every_setting():
     from pipelines.commands.toy import config_from_args
 
     cfg = TrainConfig(arch="hybrid", batch_size=7, lr=0.003, weight_decay=0.02, decay_steps=5, init_std=0.05, layers=3,
-                      heads=2, width=64, mlp_ratio=1, ssm_heads=4, ssm_state=8, conv_kernel=2, attn_layers=[1],
+                      heads=2, width=64, mlp_ratio=1, ssm_heads=4, ssm_state=8, conv_kernel=2, attn_layers=[1], ssm_init="mamba2",
                       curriculum_steps=9, induction_weight=0.5, induction_length=8, induction_steps=3,
                       knowledge_weight=0.5, knowledge_facts=4, vocab_size=500, train_size=300, test_size=20,
                       eval_every=5, save_every=10, save_at=[4], time_budget=60.0, threads=2,

@@ -12,6 +12,7 @@ from ..errors import GascanError
 
 ARCHES: tuple[str, ...] = ("transformer", "mamba2", "hybrid")
 TASKS: tuple[str, ...] = ("mc", "kv")
+SSM_INITS: tuple[str, ...] = ("bamba", "mamba2")
 
 
 @dataclass
@@ -43,6 +44,10 @@ class TrainConfig:
     # head; a narrower one leaves longer-range moves to the SSM heads.
     conv_kernel: int = 4
     attn_layers: list[int] | None = None  # hybrid only; default: the middle layer
+    # How a hybrid's Mamba-2 mixers start. "mamba2": as in the Mamba-2 toy (time steps log-uniform in
+    # [0.001, 0.1], Kaiming-uniform convolution and output projection); "bamba": Bamba's own init, whose
+    # time-step bias of 1 (dt = 1.31) makes every SSM head forget within a token or two at the start.
+    ssm_init: str = "bamba"
     task_options: dict[str, Any] = field(default_factory=dict)
     # Curriculum over question subjects (mc): train on questions about 1 subject first and double the
     # number of subjects every ``curriculum_steps`` steps until all are in. With all 16 subjects from
@@ -95,6 +100,8 @@ class TrainConfig:
         if self.vocab_size < 300:
             raise GascanError(f"--vocab-size {self.vocab_size} is too small for a byte-level BPE",
                               "use at least 300 (256 bytes + merges + special tokens)")
+        if self.ssm_init not in SSM_INITS:
+            raise GascanError(f"unknown --ssm-init {self.ssm_init!r}", f"use one of: {', '.join(SSM_INITS)}")
         if self.attn_layers is not None:
             if self.arch != "hybrid":
                 raise GascanError(f"--attn-layers only applies to --arch hybrid, not {self.arch!r}",

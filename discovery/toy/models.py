@@ -74,4 +74,36 @@ def build_model(cfg: TrainConfig, special: dict[str, int]):
     with warnings.catch_warnings():  # --mlp-ratio 0: torch warns that initialising empty MLP weights is a no-op
         warnings.filterwarnings("ignore", message="Initializing zero-element tensors")
         model = AutoModelForCausalLM.from_config(hf_config)  # sdpa where the family has it
+    if cfg.arch == "hybrid" and cfg.ssm_init == "mamba2":
+        mamba2_style_init(model)
     return model
+
+
+def mamba2_style_init(model) -> None:
+    """Re-initialise every Mamba-2 mixer of a Bamba model the way ``Mamba2ForCausalLM`` does.
+
+    Bamba sets each head's time-step bias to 1 (dt = softplus(1) = 1.31, so with A = -1..-H a state
+    keeps at most e^-1.31 = 0.27 of itself per token) and draws the convolution and output projection
+    from N(0, init_std). Mamba-2 draws dt log-uniformly from [0.001, 0.1] (memories of tens to
+    thousands of tokens) and uses Kaiming-uniform convolution and output weights. Uses the global
+    torch RNG, so the model stays deterministic for the seed set before it was built.
+    """
+    import math
+
+    import torch
+
+    dt_min, dt_max, dt_floor = 1e-3, 1e-1, 1e-4  # Mamba2Config's time_step_min / max / floor
+    with torch.no_grad():
+        for module in model.modules():
+            if not (hasattr(module, "dt_bias") and hasattr(module, "A_log") and hasattr(module, "conv1d")):
+                continue
+            heads = module.dt_bias.shape[0]
+            module.A_log.copy_(torch.log(torch.arange(1, heads + 1, dtype=torch.float32)))
+            module.D.fill_(1.0)
+            dt = torch.exp(torch.rand(heads) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+            dt = dt.clamp(min=dt_floor)
+            module.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+            torch.nn.init.kaiming_uniform_(module.conv1d.weight, a=math.sqrt(5))
+            if module.conv1d.bias is not None:
+                module.conv1d.bias.zero_()
+            torch.nn.init.kaiming_uniform_(module.out_proj.weight, a=math.sqrt(5))

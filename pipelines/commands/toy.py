@@ -78,6 +78,9 @@ def _add_recipe_args(t: argparse.ArgumentParser) -> None:
     t.add_argument("--ssm-heads", type=int, default=8, help="Mamba-2 heads per SSM layer")
     t.add_argument("--ssm-state", type=int, default=32)
     t.add_argument("--conv-kernel", type=int, default=4, help="Mamba-2 convolution width (default 4, Mamba's own)")
+    t.add_argument("--ssm-init", default="bamba", choices=("bamba", "mamba2"),
+                   help="hybrid: start the Mamba-2 mixers with Bamba's init (dt 1.31: short memory) or the "
+                   "Mamba-2 toy's (dt 0.001-0.1)")
     t.add_argument("--batch-size", type=int, default=64)
     t.add_argument("--lr", type=float, default=2e-3)
     t.add_argument("--weight-decay", type=float, default=0.01)
@@ -107,7 +110,7 @@ def config_from_args(args: argparse.Namespace):
         arch=args.arch, task=args.task, seed=args.seed, steps=args.steps, batch_size=args.batch_size,
         lr=args.lr, weight_decay=args.weight_decay, decay_steps=args.decay_steps, init_std=args.init_std, layers=args.layers,
         heads=args.heads, width=args.width, mlp_ratio=args.mlp_ratio, ssm_heads=args.ssm_heads,
-        ssm_state=args.ssm_state, conv_kernel=args.conv_kernel,
+        ssm_state=args.ssm_state, conv_kernel=args.conv_kernel, ssm_init=args.ssm_init,
         attn_layers=None if args.attn_layers is None else _int_list(args.attn_layers, "--attn-layers"),
         task_options=parse_task_options(args.task_option),
         curriculum_steps=args.curriculum_steps, induction_weight=args.induction_weight,
