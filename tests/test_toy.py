@@ -255,12 +255,16 @@ def test_bundled_model_truth_has_a_gather_head_feeding_aggregate_heads(tmp_path,
     aggregates = [(a["layer"], a["head"]) for a in truth["aggregate"]]
     assert gathers == [(1, 0)] and len(aggregates) >= 2
     assert all(layer > 1 for layer, _ in aggregates)  # gather layer before the aggregate layers
-    confirmed = [p for p in truth["pairs"] if p["confirmed"]]
-    # confirmed because the aggregate heads lose the gold option without the gather head
-    assert confirmed and all(p["selection_without_gather"] < p["selection_clean"] - 0.2 for p in confirmed)
-    # each redundant aggregate head carries a little of the gather head's effect, all of them most of it
+    # some aggregate heads lose the gold option without the gather head
+    assert any(p["selection_without_gather"] < p["selection_clean"] - 0.2 for p in truth["pairs"])
+    # each redundant aggregate head carries a little of the gather head's effect, all of them most of it,
+    # so every member of the set pairs with the gather head through the set
     (joint,) = truth["joint_mediation"]
     assert max(p["mediated"] for p in truth["pairs"]) < 0.3 and joint["mediated"] >= 0.7
+    assert {(a["layer"], a["head"]) for a in truth["aggregate_set"]["heads"]} == set(aggregates)
+    assert joint["set_mediated"] == pytest.approx(joint["mediated"])  # every later aggregate is in the set
+    assert all(p["confirmed"] and p["set_mediated"] == joint["set_mediated"] for p in truth["pairs"])
+    assert {(p["aggregate"]["layer"], p["aggregate"]["head"]) for p in truth["pairs"]} == set(aggregates)
     margins = truth["pattern_margin"]
     assert margins["gather"]["difference"] >= 0.5 and margins["aggregate"]["difference"] >= 0.5
     assert "gather: L1H0" in capsys.readouterr().err
@@ -323,6 +327,7 @@ def test_bundled_width2_mamba2_toy_has_a_pair_that_reads_the_gold_option_one_ste
     assert by_name[(0, 4)]["agg_after"] <= 0.1 and by_name[(0, 4)]["role"] == "other_important"
     pairs = {(p["aggregate"]["layer"], p["aggregate"]["head"]): p for p in truth["pairs"]}
     assert set(pairs) == {(2, 1), (2, 6)} and pairs[(2, 1)]["confirmed"]
+    assert truth["aggregate_set"] is None and pairs[(2, 6)]["set_mediated"] is None  # two single aggregates
     for p in pairs.values():
         assert abs(p["selection_clean"] - p["selection_without_gather"]) < 0.05  # where it reads: unchanged
     assert pairs[(2, 1)]["mediated"] >= 0.4 and pairs[(2, 6)]["mediated"] >= 0.1

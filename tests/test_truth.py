@@ -71,6 +71,9 @@ def test_truth_finds_redundant_aggregate_copies_as_a_set():
     assert {as_tuple(h) for h in group["heads"]} == copies and group["breaks_task"]
     assert group["d_ld_query_joint"] <= -truth["rules"]["break_fraction"] * truth["clean"]["logit_diff"]
     assert [as_tuple(g) for g in truth["gather"]] == [(circuit.gather.layer, circuit.gather.index)]
+    (joint,) = truth["joint_mediation"]
+    assert {as_tuple(h) for h in joint["set"]} == copies and joint["set_mediated"] >= 0.5
+    assert all(p["confirmed"] and p["set_mediated"] == joint["set_mediated"] for p in truth["pairs"])
     for decoy in circuit.decoys.values():
         assert rows[(decoy.layer, decoy.index)]["role"] == "none"
     margin = truth["pattern_margin"]["aggregate"]

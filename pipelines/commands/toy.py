@@ -188,7 +188,8 @@ def truth_summary(truth: dict) -> str:
 
     clean = truth["clean"]
     pairs = [f"{name(p['gather'])}->{name(p['aggregate'])} (selection {p['selection_clean']:.2f} -> "
-             f"{p['selection_without_gather']:.2f}, mediated {fmt(p.get('mediated'), 2)})"
+             f"{p['selection_without_gather']:.2f}, mediated {fmt(p.get('mediated'), 2)}"
+             + (f", through the set {fmt(p['set_mediated'], 2)})" if p.get("set_mediated") is not None else ")")
              for p in truth["pairs"] if p["confirmed"]]
     lines = [f"clean accuracy {clean['acc']:.3f}, logit diff {clean['logit_diff']:.3f}",
              f"gather: {', '.join(map(name, truth['gather'])) or 'none'}",
@@ -198,6 +199,9 @@ def truth_summary(truth: dict) -> str:
         lines.append(f"{name(j['gather'])}'s cost flowing through all later aggregate heads together: "
                      f"{fmt(j['mediated'], 2)} ({j['effect_gather']:+.2f} -> {j['effect_gather_with_aggregates_held']:+.2f} "
                      f"with {', '.join(map(name, j['aggregates']))} held)")
+        if j.get("set_mediated") is not None:
+            lines.append(f"{name(j['gather'])}'s cost flowing through the later members of the redundant aggregate "
+                         f"set ({', '.join(map(name, j['set']))}): {fmt(j['set_mediated'], 2)}")
     group = truth.get("aggregate_set")
     if group:
         lines.append(f"redundant aggregate set {', '.join(map(name, group['heads']))}: joint query ablation "
