@@ -1,6 +1,6 @@
 """Load a checkpoint safely: a local HF directory, a cached hub id (offline), a ``.gguf`` file,
 ``tiny:ARCH`` (a random tiny model for plumbing), ``bundled:NAME`` (a toy model shipped in the package:
-``mc-transformer``, ``mc-mamba2``, ``mc-mamba2-k2``, ``mc1-transformer``, ``mc3-transformer``), or nothing (the bundled default, ``bundled:mc-transformer``).
+``mc-transformer``, ``mc-mamba2``, ``mc-mamba2-k2``, ``mc-hybrid``, ``mc1-transformer``, ``mc3-transformer``), or nothing (the bundled default, ``bundled:mc-transformer``).
 
 Weights load without executing code: safetensors and GGUF by default; pickled weights and remote
 code only with explicit opt-ins. Every failure is one line with the fix (:class:`ModelLoadError`).

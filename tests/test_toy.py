@@ -337,6 +337,33 @@ def test_bundled_width2_mamba2_toy_has_a_pair_that_reads_the_gold_option_one_ste
     assert "L1S0->L2S1" in capsys.readouterr().err
 
 
+def test_bundled_hybrid_toy_has_an_attention_gather_head_feeding_ssm_aggregate_heads(tmp_path, capsys):
+    """The bundled Bamba hybrid (k2 recipe, attention at layer 1, Mamba-2-style SSM init): its truth on
+    new prompts has the attention head L1H2 as the one gather head (cost at the option positions) and a
+    redundant set of SSM aggregate heads in layers 2-3, each mediating little of L1H2's cost alone and
+    most of it together, so every one pairs with it through the set."""
+    from pipelines.cli import main
+
+    meta = json.loads((bundled_model_path("mc-hybrid") / "training.json").read_text())
+    assert meta["test_accuracy"] >= 0.95 and "--ssm-init mamba2" in meta["command"]
+    assert "--attn-layers 1" in meta["command"] and meta["model_class"] == "BambaForCausalLM"
+    out = tmp_path / "truth.json"
+    assert main(["toy", "truth", "bundled:mc-hybrid", "--prompts", "64", "--seed", "11", "--out", str(out)]) == 0
+    truth = json.loads(out.read_text())
+    clean = truth["clean"]["logit_diff"]
+    assert truth["clean"]["acc"] >= 0.95
+    assert truth["gather"] == [{"layer": 1, "head": 2, "kind": "attn"}]
+    aggregates = {(a["layer"], a["head"], a["kind"]) for a in truth["aggregate"]}
+    assert {(2, 0, "ssm"), (3, 0, "ssm"), (3, 2, "ssm"), (3, 3, "ssm"), (3, 4, "ssm")} <= aggregates
+    assert {kind for _, _, kind in aggregates} == {"ssm"} and truth["aggregate_set"]["breaks_task"]
+    gatherer = next(r for r in truth["heads"] if (r["layer"], r["head"], r["kind"]) == (1, 2, "attn"))
+    assert gatherer["d_ld_segment"] <= -0.2 * clean and gatherer["gather_score"] >= 0.3
+    (joint,) = truth["joint_mediation"]
+    assert joint["set_mediated"] >= 0.6 and max(p["mediated"] for p in truth["pairs"]) < 0.3
+    assert len(truth["pairs"]) == len(aggregates) and all(p["confirmed"] for p in truth["pairs"])
+    assert "gather: L1H2" in capsys.readouterr().err
+
+
 def test_bundled_checkpoint_series_climbs_from_chance():
     series = bundled_checkpoints()
     steps = [int(p.name.split("-")[1]) for p in series]

@@ -15,7 +15,8 @@ from .config import ARCHES, TASKS, TrainConfig
 
 BUNDLED_ROOT = Path(__file__).resolve().parent.parent / "data" / "toy"
 DEFAULT_BUNDLED = "mc-transformer"
-BUNDLED_NAMES: tuple[str, ...] = ("mc-transformer", "mc-mamba2", "mc-mamba2-k2", "mc1-transformer", "mc3-transformer")
+BUNDLED_NAMES: tuple[str, ...] = ("mc-transformer", "mc-mamba2", "mc-mamba2-k2", "mc-hybrid", "mc1-transformer",
+                                  "mc3-transformer")
 
 __all__ = [
     "ARCHES",
@@ -36,6 +37,8 @@ def bundled_model_path(name: str = DEFAULT_BUNDLED) -> Path:
     ``"mc-mamba2"`` is a pure Mamba-2 toy with an SSM aggregate head (labels before the options);
     ``"mc-mamba2-k2"``, the same recipe with width-2 convolutions, has an SSM gather head and query
     heads that read the gold option one step late (``agg_after``).
+    ``"mc-hybrid"``, that recipe as a Bamba hybrid with attention at layer 1, has an attention gather
+    head feeding a redundant set of SSM aggregate heads.
     ``"mc1-transformer"`` (single-word options) and ``"mc3-transformer"`` (three-word options, the default
     until the G&A model replaced it) are negative fixtures: they solve the task without G&A.
     """
