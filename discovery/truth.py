@@ -28,8 +28,8 @@ classifier it is used to train and test:
   ``1 - effect with the aggregate held / effect``). In the width-2 Mamba-2 toy the gather head
   changes what the query heads read, not where (another head steers that), so only the second test
   sees the pair. Heads labelled aggregate as a redundant *set* are tested as a set here too, since
-  each alone mediates little when the others carry the same label (the transformer toy's seven: 0.00 to
-  0.22 each, 0.87 together): holding the set's members that come after the gather head at once must
+  each alone mediates little when the others carry the same label (the transformer toy's seven: 0.02 to
+  0.19 each, 0.87 together): holding the set's members that come after the gather head at once must
   give back at least ``mediation`` (``set_mediated``), and then each of them pairs with it.
   ``joint_mediation`` records, per gather candidate, the share given back by holding every later
   aggregate head at once and by holding the later set members at once.
@@ -120,12 +120,12 @@ def ground_truth(lm: LoadedModel, batch: AnnotatedBatch, rules: TruthRules = Tru
         without = Ablation((g,), "zero", ("segment",))
         under = _metric_table(lm, batch, layers=sorted({a.layer for a in later}),
                               edits_for=lambda rows, without=without: engine.plan([without], rows))
-        # the gather head's cost with every later aggregate head held clean at the query, with the later
-        # members of the redundant aggregate set held together, then with each aggregate head alone
+        # the gather head's cost with every later aggregate head held clean at the query, then with each
+        # alone, then with the later members of the redundant aggregate set held together (if two or more)
         set_later = [a for a in later if a in set_members]
-        cost, (all_held, set_held, *held_alone) = engine.mediation(without, [later, set_later or later,
-                                                                             *((a,) for a in later)])
-        set_mediated = mediated_share(cost, set_held) if len(set_later) >= 2 else None
+        set_holds = [set_later] if len(set_later) >= 2 else []
+        cost, (all_held, *held_alone) = engine.mediation(without, [later, *((a,) for a in later), *set_holds])
+        set_mediated = mediated_share(cost, held_alone.pop()) if set_holds else None
         joint_mediation.append({"gather": g.as_dict(), "aggregates": [a.as_dict() for a in later],
                                 "effect_gather": cost, "effect_gather_with_aggregates_held": all_held,
                                 "mediated": mediated_share(cost, all_held),
