@@ -241,15 +241,18 @@ def test_bundled_model_is_accurate_on_a_fresh_test_split():
     assert truth["clean"]["acc"] >= 0.95 and len(truth["heads"]) == 16
 
 
+def _fresh_truth(name: str, tmp_path: Path) -> dict:
+    """``gascan toy truth bundled:NAME`` on 64 prompts the bundled truth never saw (seed 11)."""
+    out = tmp_path / "truth.json"
+    assert main(["toy", "truth", f"bundled:{name}", "--prompts", "64", "--seed", "11", "--out", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
 def test_bundled_model_truth_has_a_gather_head_feeding_aggregate_heads(tmp_path, capsys):
     """Recomputed ground truth of the bundled default on new prompts: one gather head in an earlier
     layer than every aggregate head, confirmed by the interaction test, and each role clear of the
     other heads that matter on its own pattern metric."""
-    from pipelines.cli import main
-
-    out = tmp_path / "truth.json"
-    assert main(["toy", "truth", "bundled:mc-transformer", "--prompts", "64", "--seed", "11", "--out", str(out)]) == 0
-    truth = json.loads(out.read_text())
+    truth = _fresh_truth("mc-transformer", tmp_path)
     assert truth["clean"]["acc"] >= 0.95
     gathers = [(g["layer"], g["head"]) for g in truth["gather"]]
     aggregates = [(a["layer"], a["head"]) for a in truth["aggregate"]]
@@ -280,9 +283,7 @@ def test_bundled_mamba2_toy_has_an_ssm_aggregate_head(tmp_path, capsys):
     assert meta["arch"] == "mamba2" and meta["task_options"]["option_template"].startswith("{label}")
     assert _fresh_accuracy(path) >= 0.95
     assert not [p for p in path.rglob("*") if p.suffix in (".bin", ".pt", ".pkl", ".pth")]
-    out = tmp_path / "truth.json"
-    assert main(["toy", "truth", "bundled:mc-mamba2", "--prompts", "64", "--seed", "11", "--out", str(out)]) == 0
-    truth = json.loads(out.read_text())
+    truth = _fresh_truth("mc-mamba2", tmp_path)
     assert truth["clean"]["acc"] >= 0.95
     assert truth["aggregate"] == [{"layer": 1, "head": 0, "kind": "ssm"}]
     assert truth["pattern_margin"]["aggregate"]["difference"] >= 0.5
@@ -308,9 +309,7 @@ def test_bundled_width2_mamba2_toy_has_a_pair_that_reads_the_gold_option_one_ste
     gather head's cost (L2S6, the smaller copy, gives back less)."""
     meta = json.loads((bundled_model_path("mc-mamba2-k2") / "training.json").read_text())
     assert meta["arch"] == "mamba2" and meta["config"]["conv_kernel"] == 2
-    out = tmp_path / "truth.json"
-    assert main(["toy", "truth", "bundled:mc-mamba2-k2", "--prompts", "64", "--seed", "11", "--out", str(out)]) == 0
-    truth = json.loads(out.read_text())
+    truth = _fresh_truth("mc-mamba2-k2", tmp_path)
     clean = truth["clean"]["logit_diff"]
     assert truth["clean"]["acc"] >= 0.95
     assert truth["gather"] == [{"layer": 1, "head": 0, "kind": "ssm"}]
@@ -342,14 +341,10 @@ def test_bundled_hybrid_toy_has_an_attention_gather_head_feeding_ssm_aggregate_h
     new prompts has the attention head L1H2 as the one gather head (cost at the option positions) and a
     redundant set of SSM aggregate heads in layers 2-3, each mediating little of L1H2's cost alone and
     most of it together, so every one pairs with it through the set."""
-    from pipelines.cli import main
-
     meta = json.loads((bundled_model_path("mc-hybrid") / "training.json").read_text())
     assert meta["test_accuracy"] >= 0.95 and "--ssm-init mamba2" in meta["command"]
     assert "--attn-layers 1" in meta["command"] and meta["model_class"] == "BambaForCausalLM"
-    out = tmp_path / "truth.json"
-    assert main(["toy", "truth", "bundled:mc-hybrid", "--prompts", "64", "--seed", "11", "--out", str(out)]) == 0
-    truth = json.loads(out.read_text())
+    truth = _fresh_truth("mc-hybrid", tmp_path)
     clean = truth["clean"]["logit_diff"]
     assert truth["clean"]["acc"] >= 0.95
     assert truth["gather"] == [{"layer": 1, "head": 2, "kind": "attn"}]

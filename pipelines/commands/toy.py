@@ -10,6 +10,7 @@ import argparse
 from pathlib import Path
 
 from discovery.errors import GascanError
+from discovery.toy.config import SSM_INITS, TrainConfig
 from discovery.tasks.base import parse_task_options
 
 
@@ -78,7 +79,7 @@ def _add_recipe_args(t: argparse.ArgumentParser) -> None:
     t.add_argument("--ssm-heads", type=int, default=8, help="Mamba-2 heads per SSM layer")
     t.add_argument("--ssm-state", type=int, default=32)
     t.add_argument("--conv-kernel", type=int, default=4, help="Mamba-2 convolution width (default 4, Mamba's own)")
-    t.add_argument("--ssm-init", default="bamba", choices=("bamba", "mamba2"),
+    t.add_argument("--ssm-init", default=TrainConfig.ssm_init, choices=SSM_INITS,
                    help="hybrid: start the Mamba-2 mixers with Bamba's init (dt 1.31: short memory) or the "
                    "Mamba-2 toy's (dt 0.001-0.1)")
     t.add_argument("--batch-size", type=int, default=64)
@@ -104,8 +105,6 @@ def _add_recipe_args(t: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace):
     """A validated TrainConfig from parsed arguments (one-line GascanError on bad input)."""
-    from discovery.toy.config import TrainConfig
-
     cfg = TrainConfig(
         arch=args.arch, task=args.task, seed=args.seed, steps=args.steps, batch_size=args.batch_size,
         lr=args.lr, weight_decay=args.weight_decay, decay_steps=args.decay_steps, init_std=args.init_std, layers=args.layers,
