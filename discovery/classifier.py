@@ -21,11 +21,11 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import polars as pl
@@ -38,6 +38,7 @@ CLEAN_FLOOR = 0.5  # logit-diff units: effects are divided by max(|clean logit d
 DEFAULT_ARTIFACT = "classifier.json"
 PUBLISHED_LABELS = "published_heads.json"
 GROUP_KEYS = ("model", "checkpoint", "task")
+T = TypeVar("T")
 
 PATTERN_FEATURES = ("gather_score", "gather_entropy", "agg_focus", "agg_focus_segment", "agg_select", "agg_margin",
                     "selectivity", "agg_after")
@@ -384,16 +385,36 @@ def train_classifier(labelled: pl.DataFrame, *, c: float = 1.0, meta: Mapping[st
     return HeadClassifier(list(FEATURES), mean.tolist(), scale.tolist(), coef, intercept, VERSION, info)
 
 
+def spread_by_gather(pairs: Sequence[T], gather_of: Callable[[T], Hashable], score_of: Callable[[T], float]
+                     ) -> list[T]:
+    """Pairs best first, except that a gather head's n-th pair comes after every gather head's (n-1)-th.
+
+    Aggregate heads often come as a redundant set (five SSM heads in the hybrid toy, seven attention
+    heads in the transformer toy), so a plain sort fills the top of the list with one gather head and
+    each member of the set: one hypothesis repeated, while the second-best gather head is pushed below
+    them (the hybrid toy's true gather head, second by P(gather), came 7th). Spreading shows (and
+    verifies) one pair per gather candidate first; within a round the order is by score.
+    """
+    ranked = sorted(pairs, key=lambda p: -score_of(p))  # stable: ties keep their input order
+    seen: dict[Hashable, int] = {}
+    keyed = []
+    for position, pair in enumerate(ranked):
+        g = gather_of(pair)
+        keyed.append((seen.get(g, 0), position, pair))
+        seen[g] = seen.get(g, 0) + 1
+    return [pair for _, _, pair in sorted(keyed, key=lambda t: (t[0], t[1]))]
+
+
 def pair_prior(frame: pl.DataFrame, p_gather: np.ndarray, p_aggregate: np.ndarray, k: int = 3
                ) -> list[tuple[tuple[int, int, str], tuple[int, int, str], float]]:
-    """The k best (gather, aggregate) pairs of one model/task by P(g)·P(a), gather layer before aggregate."""
+    """The k first (gather, aggregate) pairs of one model/task by P(g)·P(a), gather layer before aggregate,
+    spread over gather heads (:func:`spread_by_gather`, the order the scan's pair ranking uses)."""
     heads = list(zip(frame["layer"].to_list(), frame["head"].to_list(), frame["kind"].to_list()))
-    g_order = np.argsort(-p_gather)[:20]
-    a_order = np.argsort(-p_aggregate)[:20]
+    g_order = np.argsort(-p_gather, kind="stable")[:20]
+    a_order = np.argsort(-p_aggregate, kind="stable")[:20]
     pairs = [(heads[g], heads[a], float(p_gather[g] * p_aggregate[a]))
              for g in g_order for a in a_order if heads[g][0] < heads[a][0]]
-    pairs.sort(key=lambda t: -t[2])
-    return pairs[:k]
+    return spread_by_gather(pairs, lambda t: t[0], lambda t: t[2])[:k]
 
 
 def leave_one_model_out(labelled: pl.DataFrame, *, threshold: float = 0.5, c: float = 1.0) -> pl.DataFrame:
@@ -401,7 +422,8 @@ def leave_one_model_out(labelled: pl.DataFrame, *, threshold: float = 0.5, c: fl
 
     Columns: precision/recall and false positives per role at ``threshold`` (on a model without G&A,
     every positive is false), the rank of the best true head of each role
-    (1 = ranked first), and whether a true (gather, aggregate) pair is among the top 3 pairs by P(g)·P(a).
+    (1 = ranked first), and whether a true (gather, aggregate) pair is among the first 3 pairs of
+    :func:`pair_prior`.
     """
     models = labelled.select("model", "checkpoint").unique(maintain_order=True).rows()
     rows = []
@@ -422,7 +444,7 @@ def leave_one_model_out(labelled: pl.DataFrame, *, threshold: float = 0.5, c: fl
 def score_labelled(clf: HeadClassifier, part: pl.DataFrame, *, threshold: float = 0.5) -> dict[str, Any]:
     """How ``clf`` ranks one labelled model/task table: precision, recall and false positives per role at
     ``threshold``, the rank of the best true head of each role (1 = first), and whether a true
-    (gather, aggregate) pair is among the top 3 pairs by P(g)·P(a) (None when the table has no pair)."""
+    (gather, aggregate) pair is among the first 3 pairs of :func:`pair_prior` (None when the table has no pair)."""
     probs = clf.predict(part)
     truth = part["role_label"].to_numpy()
     row: dict[str, Any] = {"heads": part.height}

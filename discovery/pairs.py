@@ -20,7 +20,11 @@ For one task's batch and head table:
    head's weight ``w`` is 1 when the evidence stage gave it the role (pattern and effect at the right
    positions) and its classifier probability otherwise: a head that passed the causal test outranks one
    that only looks like the heads of the training set (on SmolLM2 every P(gather) was below 0.02, which
-   let weak layer-0 candidates outrank the evidence stage's gather heads).
+   let weak layer-0 candidates outrank the evidence stage's gather heads). The ``rank`` order spreads the
+   pairs over gather heads (:func:`~discovery.classifier.spread_by_gather`): every gather candidate's best
+   pair, by score, before any gather head's second, so a redundant set of aggregate heads does not fill
+   the verified top ``k`` with one gather head (the hybrid toy's true gather head came 7th behind one
+   layer-0 SSM head paired with each of five aggregate heads; it now comes 2nd and is verified).
 3. **Verification** of the top ``k``: the joint ablation (both heads zeroed at all positions, through the
    ablation engine) against a control of random pairs from the same two layers, same kinds, neither head
    a candidate of the pair (all such pairs when there are at most ``control_draws``, else that many drawn
@@ -51,6 +55,7 @@ import polars as pl
 import torch
 
 from .ablation import Ablation, AblationEngine, mediated_share
+from .classifier import spread_by_gather
 from .errors import GascanError
 from .heads import HeadId
 from .metrics import selection
@@ -196,7 +201,8 @@ def rank_pairs(lm: Any, batch: Any, heads_frame: pl.DataFrame, k: int = 3, *, su
             "effect_gather": d_g, "effect_aggregate": d_a, "mediated": mediated, "score": float(score),
             "_pair": i,
         })
-    rows.sort(key=lambda r: -r["score"])
+    rows = spread_by_gather(rows, lambda r: (r["gather_layer"], r["gather_head"], r["gather_kind"]),
+                            lambda r: r["score"])
     for rank, r in enumerate(rows, 1):
         r["rank"] = rank
     _verify(engine, rows[:k], candidates, joint, acc[len(singles):], control_draws, bootstrap, seed)

@@ -231,3 +231,49 @@ def test_labels_from_ground_truth_files(tmp_path):
     frame = synthetic_heads("s", gather=(2, 1), aggregate=(3, 2), decoy=(1, 3), clean_ld=4.0)
     derived = derive_truth(frame, 4.0)
     assert sorted((r["layer"], r["head"], r["role"]) for r in derived) == [(2, 1, "gather"), (3, 2, "aggregate")]
+
+
+def test_spread_by_gather_gives_every_gather_head_one_pair_before_any_second():
+    from discovery.classifier import spread_by_gather
+
+    # gather head "g1" with a redundant set of four aggregate heads, then "g2" and "g3" with lower scores
+    pairs = [("g1", "a1", 0.09), ("g1", "a2", 0.08), ("g1", "a3", 0.07), ("g1", "a4", 0.06),
+             ("g2", "a2", 0.015), ("g2", "a1", 0.012), ("g3", "a1", 0.002)]
+    spread = spread_by_gather(pairs[::-1], lambda p: p[0], lambda p: p[2])  # input order does not matter
+    assert [p[:2] for p in spread] == [("g1", "a1"), ("g2", "a2"), ("g3", "a1"), ("g1", "a2"), ("g2", "a1"),
+                                       ("g1", "a3"), ("g1", "a4")]
+    assert [p[:2] for p in sorted(pairs, key=lambda p: -p[2])[:3]] == [("g1", "a1"), ("g1", "a2"), ("g1", "a3")]
+    assert spread_by_gather([], lambda p: p, lambda p: 0.0) == []
+
+
+HYBRID_ROWS = Path(__file__).parent / "data" / "mc_hybrid_labelled_heads.parquet"
+
+
+def test_hybrid_toy_held_out_has_its_true_pair_in_the_top_3():
+    """Leave-one-model-out on the shipped rows plus the hybrid toy's (`gascan scan bundled:mc-hybrid
+    --no-report`, labelled from its truth.json; tests/data): every architecture held out once. The hybrid's
+    true aggregate heads (a redundant set of five SSM heads) rank first; its gather head L1H2 (attention,
+    a weak own-option pattern) ranks second, behind L0S1, a layer-0 SSM head whose removal breaks
+    everything. By P(g)·P(a) alone L0S1's pairs with the five aggregate heads fill the top of the list;
+    spread over gather heads, L1H2's best pair comes second."""
+    from discovery.classifier import pair_prior, shipped_training_rows, train_classifier
+
+    hybrid = pl.read_parquet(HYBRID_ROWS)
+    assert hybrid["model"].unique().to_list() == ["bundled:mc-hybrid"]
+    labelled = pl.concat([shipped_training_rows(), hybrid], how="diagonal_relaxed")
+    lomo = {r["model"]: r for r in leave_one_model_out(labelled).iter_rows(named=True)}
+    assert len(lomo) >= 14
+    held = lomo["bundled:mc-hybrid"]
+    assert held["aggregate_best_rank"] == 1 and held["gather_best_rank"] == 2
+    assert held["pair_in_top3"] is True
+    assert all(r["pair_in_top3"] in (True, None) for r in lomo.values())
+    assert all(r["aggregate_best_rank"] in (1, None) for r in lomo.values())
+    # what the spread changes: the plain product order has only L0S1 pairs in its top 3
+    clf = train_classifier(labelled.filter(pl.col("model") != "bundled:mc-hybrid"))
+    probs = clf.predict(hybrid)
+    top = pair_prior(hybrid, probs["gather"], probs["aggregate"], k=3)
+    assert top[0][0] == (0, 1, "ssm") and top[1][0] == (1, 2, "attn")
+    heads = list(zip(hybrid["layer"], hybrid["head"], hybrid["kind"]))
+    plain = sorted(((heads[g], heads[a], probs["gather"][g] * probs["aggregate"][a]) for g in range(len(heads))
+                    for a in range(len(heads)) if heads[g][0] < heads[a][0]), key=lambda t: -t[2])[:3]
+    assert {g for g, _, _ in plain} == {(0, 1, "ssm")}
