@@ -110,8 +110,8 @@ def test_hybrid_ssm_init_matches_the_mamba2_toy():
 
     special = {"vocab_size": 400, "bos": 1, "eos": 2, "pad": 0}
     kw = {"arch": "hybrid", "attn_layers": [1], "layers": 3, "width": 64, "ssm_heads": 4, "conv_kernel": 2}
-    bamba = build_model(TrainConfig(**kw).validate(), special)
-    a = build_model(TrainConfig(**kw, ssm_init="mamba2").validate(), special)
+    bamba = build_model(TrainConfig(**kw, ssm_init="bamba").validate(), special)
+    a = build_model(TrainConfig(**kw).validate(), special)  # the default
     b = build_model(TrainConfig(**kw, ssm_init="mamba2").validate(), special)
     mixers = [m for m in a.modules() if hasattr(m, "dt_bias")]
     assert len(mixers) == 2  # layers 0 and 2
@@ -128,6 +128,16 @@ def test_hybrid_ssm_init_matches_the_mamba2_toy():
     assert torch.equal(attn_a.q_proj.weight, attn_bamba.q_proj.weight)  # drawn before the re-init
     with pytest.raises(GascanError, match="--ssm-init"):
         TrainConfig(**kw, ssm_init="s4").validate()
+
+
+def test_runs_recorded_before_ssm_init_read_as_bamba_hybrids():
+    """A hybrid's training.json from before --ssm-init existed was trained with Bamba's init (then the only
+    one); other architectures have no SSM init to record and take the default."""
+    old_hybrid = TrainConfig.from_dict({"arch": "hybrid", "attn_layers": [1], "seed": 3})
+    assert old_hybrid.ssm_init == "bamba" and old_hybrid.seed == 3
+    assert TrainConfig.from_dict({"arch": "hybrid", "ssm_init": "mamba2"}).ssm_init == "mamba2"
+    assert TrainConfig.from_dict({"arch": "transformer"}).to_dict() == TrainConfig().to_dict()
+    assert TrainConfig().ssm_init == "mamba2"
 
 
 def test_recorded_command_reproduces_every_setting():

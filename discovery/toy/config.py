@@ -13,6 +13,7 @@ from ..errors import GascanError
 ARCHES: tuple[str, ...] = ("transformer", "mamba2", "hybrid")
 TASKS: tuple[str, ...] = ("mc", "kv")
 SSM_INITS: tuple[str, ...] = ("bamba", "mamba2")
+LEGACY_SSM_INIT = "bamba"  # what hybrids recorded without an ssm_init were trained with
 
 
 @dataclass
@@ -47,7 +48,8 @@ class TrainConfig:
     # How a hybrid's Mamba-2 mixers start. "mamba2": as in the Mamba-2 toy (time steps log-uniform in
     # [0.001, 0.1], Kaiming-uniform convolution and output projection); "bamba": Bamba's own init, whose
     # time-step bias of 1 (dt = 1.31) makes every SSM head forget within a token or two at the start.
-    ssm_init: str = "bamba"
+    # Runs recorded before this setting existed used "bamba" (:meth:`from_dict` reads them so).
+    ssm_init: str = "mamba2"
     task_options: dict[str, Any] = field(default_factory=dict)
     # Curriculum over question subjects (mc): train on questions about 1 subject first and double the
     # number of subjects every ``curriculum_steps`` steps until all are in. With all 16 subjects from
@@ -177,5 +179,9 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
+        """A recorded config; a setting it lacks takes the value it had when the run was trained: the
+        current default, except a hybrid's ``ssm_init``, which was always Bamba's before it was a setting."""
         known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        if known.get("arch") == "hybrid":
+            known.setdefault("ssm_init", LEGACY_SSM_INIT)
         return cls(**known)

@@ -80,8 +80,8 @@ def _add_recipe_args(t: argparse.ArgumentParser) -> None:
     t.add_argument("--ssm-state", type=int, default=32)
     t.add_argument("--conv-kernel", type=int, default=4, help="Mamba-2 convolution width (default 4, Mamba's own)")
     t.add_argument("--ssm-init", default=TrainConfig.ssm_init, choices=SSM_INITS,
-                   help="hybrid: start the Mamba-2 mixers with Bamba's init (dt 1.31: short memory) or the "
-                   "Mamba-2 toy's (dt 0.001-0.1)")
+                   help="hybrid: start the Mamba-2 mixers as the Mamba-2 toy's (dt 0.001-0.1; default) or with "
+                   "Bamba's init (dt 1.31: short memory; hybrids trained before this option existed)")
     t.add_argument("--batch-size", type=int, default=64)
     t.add_argument("--lr", type=float, default=2e-3)
     t.add_argument("--weight-decay", type=float, default=0.01)
