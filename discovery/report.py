@@ -623,7 +623,9 @@ def _pairs_section(scan: Scan) -> Section:
     sec.paragraphs.append(
         "Score: classifier probabilities and the interaction test (ablating the gather head changes the "
         "aggregate head's selection, or holding the aggregate head at its clean output gives back the gather "
-        "head's cost: the mediated share). Joint effect: Δ logit diff when both heads are "
+        "head's cost: the mediated share). Rank: every gather head's best pair by score before any gather "
+        "head's second, so the verified top pairs test different gather heads rather than one gather head "
+        "with each member of a redundant aggregate set. Joint effect: Δ logit diff when both heads are "
         "ablated, with its 95% bootstrap interval; control: the same for random head pairs from the same two "
         "layers (mean and 5–95% range); verified when the joint effect lies below the control's 5th percentile.")
     rows = []
