@@ -52,6 +52,14 @@ FEATURES: tuple[str, ...] = (
     "sig_all", "sig_query",
     "gather_x_effect", "agg_x_effect", "focus_x_effect",
 )
+# Features a role's regression does not use (their coefficients are 0). A gather head's work is done
+# before the query, so what removing it costs *at the query* says nothing about gathering: in a hybrid
+# with attention at layer 0 the gather head also costs 1.7 logits at the query, and the query-effect
+# weights learned from toys whose gather heads cost nothing there ranked it 4th of four layer-0 heads.
+ROLE_EXCLUDED: dict[str, tuple[str, ...]] = {
+    "gather": ("drop_query", "acc_drop_query", "share_query", "sig_query"),
+    "aggregate": (),
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -353,7 +361,8 @@ def label_rows(frame: pl.DataFrame, labels: Sequence[Mapping[str, Any]]) -> pl.D
 
 def train_classifier(labelled: pl.DataFrame, *, c: float = 1.0, meta: Mapping[str, Any] | None = None
                      ) -> HeadClassifier:
-    """Fit the scaler and one balanced logistic regression per role on rows with ``role_label``."""
+    """Fit the scaler and one balanced logistic regression per role on rows with ``role_label`` (each role
+    on :data:`FEATURES` less its :data:`ROLE_EXCLUDED`)."""
     from sklearn.linear_model import LogisticRegression
     from sklearn.preprocessing import StandardScaler
 
@@ -375,9 +384,12 @@ def train_classifier(labelled: pl.DataFrame, *, c: float = 1.0, meta: Mapping[st
         if y.sum() == 0 or y.sum() == len(y):
             raise GascanError(f"the labels give no {role} heads (or only {role} heads) to learn from",
                               f"add labelled {role} heads and negatives")
+        used = [i for i, name in enumerate(FEATURES) if name not in ROLE_EXCLUDED[role]]
         model = LogisticRegression(C=c, class_weight="balanced", max_iter=5000)
-        model.fit(z, y)
-        coef[role] = model.coef_[0].tolist()
+        model.fit(z[:, used], y)
+        weights = np.zeros(len(FEATURES))
+        weights[used] = model.coef_[0]
+        coef[role] = weights.tolist()
         intercept[role] = float(model.intercept_[0])
     info = {"n_rows": int(labelled.height), "n_models": int(labelled.select("model", "checkpoint").n_unique()),
             "n_gather": int((roles == "gather").sum()), "n_aggregate": int((roles == "aggregate").sum()),
