@@ -285,3 +285,25 @@ def test_hybrid_toy_held_out_has_its_true_pair_in_the_top_3():
     plain = sorted(((heads[g], heads[a], probs["gather"][g] * probs["aggregate"][a]) for g in range(len(heads))
                     for a in range(len(heads)) if heads[g][0] < heads[a][0]), key=lambda t: -t[2])[:3]
     assert {g for g, _, _ in plain} == {(0, 1, "ssm")}
+
+
+PLACEMENT_HYBRID_ROWS = Path(__file__).parent / "data" / "placement_hybrid_attn0_labelled_heads.parquet"
+
+
+def test_both_hybrids_with_a_pair_held_out_rank_it_in_the_top_3():
+    """The shipped rows plus the two hybrid toys whose ground truth has a G&A pair: mc-hybrid and the
+    placement check's hybrid with attention at layer 0 (Mamba-2 init, seed 0; `gascan toy truth` then
+    `gascan scan RUN --no-report`, tests/data). Its gather head L0H0 is one of four layer-0 attention heads
+    that all break the task and it also costs 1.7 logits at the query; with the query effects in the
+    gather regression it ranked 4th, without them (ROLE_EXCLUDED) it ranks first."""
+    from discovery.classifier import shipped_training_rows
+
+    hybrids = [pl.read_parquet(HYBRID_ROWS), pl.read_parquet(PLACEMENT_HYBRID_ROWS)]
+    labelled = pl.concat([shipped_training_rows(), *hybrids], how="diagonal_relaxed")
+    lomo = {r["model"]: r for r in leave_one_model_out(labelled).iter_rows(named=True)}
+    assert len(lomo) == 15
+    for name in ("bundled:mc-hybrid", "placement-hybrid-attn0-seed0"):
+        assert lomo[name]["pair_in_top3"] is True and lomo[name]["aggregate_best_rank"] == 1, name
+    assert lomo["placement-hybrid-attn0-seed0"]["gather_best_rank"] == 1
+    assert all(r["pair_in_top3"] in (True, None) for r in lomo.values())
+    assert all(r["aggregate_best_rank"] in (1, None) for r in lomo.values())
