@@ -7,7 +7,8 @@ blow them up) and also expressed as a share of the model's largest drop; product
 and the matching effect encode "pattern *and* effect agree" (DESIGN.md: a pattern without an effect is
 a decoy), which a linear model could not express otherwise.
 
-The model is two standardised logistic regressions (one per role) fitted with scikit-learn and shipped
+The model is two standardised logistic regressions (one per role, each on the features its role can use:
+:data:`ROLE_EXCLUDED`) fitted with scikit-learn and shipped
 as explicit parameters in JSON (``discovery/data/classifier.json``): loading it executes no code, and
 inference is a few lines of numpy that reproduce scikit-learn's probabilities exactly.
 
