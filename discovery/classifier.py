@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
@@ -409,13 +410,13 @@ def spread_by_gather(pairs: Sequence[T], gather_of: Callable[[T], Hashable], sco
     verifies) one pair per gather candidate first; within a round the order is by score.
     """
     ranked = sorted(pairs, key=lambda p: -score_of(p))  # stable: ties keep their input order
-    seen: dict[Hashable, int] = {}
-    keyed = []
-    for position, pair in enumerate(ranked):
-        g = gather_of(pair)
-        keyed.append((seen.get(g, 0), position, pair))
-        seen[g] = seen.get(g, 0) + 1
-    return [pair for _, _, pair in sorted(keyed, key=lambda t: (t[0], t[1]))]
+    seen: Counter[Hashable] = Counter()
+    rounds = []  # [pair]: how many better pairs of the same gather head come before it
+    for pair in ranked:
+        rounds.append(seen[gather_of(pair)])
+        seen[gather_of(pair)] += 1
+    order = sorted(range(len(ranked)), key=lambda i: (rounds[i], i))
+    return [ranked[i] for i in order]
 
 
 def pair_prior(frame: pl.DataFrame, p_gather: np.ndarray, p_aggregate: np.ndarray, k: int = 3

@@ -55,7 +55,7 @@ import polars as pl
 import torch
 
 from .ablation import Ablation, AblationEngine, mediated_share
-from .classifier import spread_by_gather
+from .classifier import attach_clean, head_features, load_classifier, spread_by_gather
 from .errors import GascanError
 from .heads import HeadId
 from .metrics import selection
@@ -76,8 +76,6 @@ MIN_MEDIATED_COST = 0.05  # share of the clean logit difference a gather head mu
 def head_probabilities(frame: pl.DataFrame, summary: Mapping[str, Any] | None = None,
                        clf: Any = None) -> tuple[np.ndarray, np.ndarray, str]:
     """P(gather), P(aggregate) per row and where they came from (table, classifier or evidence)."""
-    from .classifier import attach_clean, head_features, load_classifier
-
     if "p_gather" in frame.columns and "p_aggregate" in frame.columns:
         return (frame["p_gather"].fill_null(0.0).to_numpy(), frame["p_aggregate"].fill_null(0.0).to_numpy(),
                 "table")

@@ -124,8 +124,9 @@ def ground_truth(lm: LoadedModel, batch: AnnotatedBatch, rules: TruthRules = Tru
         # alone, then with the later members of the redundant aggregate set held together (if two or more)
         set_later = [a for a in later if a in set_members]
         set_holds = [set_later] if len(set_later) >= 2 else []
-        cost, (all_held, *held_alone) = engine.mediation(without, [later, *((a,) for a in later), *set_holds])
-        set_mediated = mediated_share(cost, held_alone.pop()) if set_holds else None
+        cost, (all_held, *rest) = engine.mediation(without, [later, *((a,) for a in later), *set_holds])
+        held_alone = rest[:len(later)]
+        set_mediated = mediated_share(cost, rest[len(later)]) if set_holds else None
         joint_mediation.append({"gather": g.as_dict(), "aggregates": [a.as_dict() for a in later],
                                 "effect_gather": cost, "effect_gather_with_aggregates_held": all_held,
                                 "mediated": mediated_share(cost, all_held),

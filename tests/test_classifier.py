@@ -91,6 +91,7 @@ def test_artifact_round_trip_reproduces_sklearn(tmp_path):
     x = head_features(labelled).to_numpy()
     x = np.where(np.isfinite(x), x, np.asarray(clf.mean))
     z = (x - np.asarray(clf.mean)) / np.asarray(clf.scale)
+    shipped = load_classifier()
     for role in ("gather", "aggregate"):
         y = (labelled["role_label"].to_numpy() == role).astype(int)
         used = [i for i, name in enumerate(FEATURES) if name not in ROLE_EXCLUDED[role]]
@@ -99,7 +100,7 @@ def test_artifact_round_trip_reproduces_sklearn(tmp_path):
         # a role's excluded features (the gather role's query effects) carry no weight
         excluded = [i for i, name in enumerate(FEATURES) if name in ROLE_EXCLUDED[role]]
         assert all(clf.coef[role][i] == 0.0 for i in excluded)
-        assert all(load_classifier().coef[role][i] == 0.0 for i in excluded)  # the shipped artifact too
+        assert all(shipped.coef[role][i] == 0.0 for i in excluded)  # the shipped artifact too
     assert len(ROLE_EXCLUDED["gather"]) == 4 and "drop_query" in ROLE_EXCLUDED["gather"]
     # the labelled heads are the most probable of each model
     scored = labelled.with_columns(pl.Series("pg", p1["gather"]), pl.Series("pa", p1["aggregate"]))
@@ -255,6 +256,15 @@ def test_spread_by_gather_gives_every_gather_head_one_pair_before_any_second():
 
 
 HYBRID_ROWS = Path(__file__).parent / "data" / "mc_hybrid_labelled_heads.parquet"
+PLACEMENT_HYBRID_ROWS = Path(__file__).parent / "data" / "placement_hybrid_attn0_labelled_heads.parquet"
+
+
+def _lomo_with_shipped_rows(*extra: pl.DataFrame) -> dict[str, dict]:
+    """Leave-one-model-out over the shipped training rows plus ``extra`` labelled head tables, by model."""
+    from discovery.classifier import shipped_training_rows
+
+    labelled = pl.concat([shipped_training_rows(), *extra], how="diagonal_relaxed")
+    return {r["model"]: r for r in leave_one_model_out(labelled).iter_rows(named=True)}
 
 
 def test_hybrid_toy_held_out_has_its_true_pair_in_the_top_3():
@@ -268,8 +278,7 @@ def test_hybrid_toy_held_out_has_its_true_pair_in_the_top_3():
 
     hybrid = pl.read_parquet(HYBRID_ROWS)
     assert hybrid["model"].unique().to_list() == ["bundled:mc-hybrid"]
-    labelled = pl.concat([shipped_training_rows(), hybrid], how="diagonal_relaxed")
-    lomo = {r["model"]: r for r in leave_one_model_out(labelled).iter_rows(named=True)}
+    lomo = _lomo_with_shipped_rows(hybrid)
     assert len(lomo) >= 14
     held = lomo["bundled:mc-hybrid"]
     assert held["aggregate_best_rank"] == 1 and held["gather_best_rank"] == 2
@@ -277,7 +286,7 @@ def test_hybrid_toy_held_out_has_its_true_pair_in_the_top_3():
     assert all(r["pair_in_top3"] in (True, None) for r in lomo.values())
     assert all(r["aggregate_best_rank"] in (1, None) for r in lomo.values())
     # what the spread changes: the plain product order has only L0S1 pairs in its top 3
-    clf = train_classifier(labelled.filter(pl.col("model") != "bundled:mc-hybrid"))
+    clf = train_classifier(shipped_training_rows())  # every model but the held-out hybrid
     probs = clf.predict(hybrid)
     top = pair_prior(hybrid, probs["gather"], probs["aggregate"], k=3)
     assert top[0][0] == (0, 1, "ssm") and top[1][0] == (1, 2, "attn")
@@ -287,8 +296,6 @@ def test_hybrid_toy_held_out_has_its_true_pair_in_the_top_3():
     assert {g for g, _, _ in plain} == {(0, 1, "ssm")}
 
 
-PLACEMENT_HYBRID_ROWS = Path(__file__).parent / "data" / "placement_hybrid_attn0_labelled_heads.parquet"
-
 
 def test_both_hybrids_with_a_pair_held_out_rank_it_in_the_top_3():
     """The shipped rows plus the two hybrid toys whose ground truth has a G&A pair: mc-hybrid and the
@@ -296,11 +303,7 @@ def test_both_hybrids_with_a_pair_held_out_rank_it_in_the_top_3():
     `gascan scan RUN --no-report`, tests/data). Its gather head L0H0 is one of four layer-0 attention heads
     that all break the task and it also costs 1.7 logits at the query; with the query effects in the
     gather regression it ranked 4th, without them (ROLE_EXCLUDED) it ranks first."""
-    from discovery.classifier import shipped_training_rows
-
-    hybrids = [pl.read_parquet(HYBRID_ROWS), pl.read_parquet(PLACEMENT_HYBRID_ROWS)]
-    labelled = pl.concat([shipped_training_rows(), *hybrids], how="diagonal_relaxed")
-    lomo = {r["model"]: r for r in leave_one_model_out(labelled).iter_rows(named=True)}
+    lomo = _lomo_with_shipped_rows(pl.read_parquet(HYBRID_ROWS), pl.read_parquet(PLACEMENT_HYBRID_ROWS))
     assert len(lomo) == 15
     for name in ("bundled:mc-hybrid", "placement-hybrid-attn0-seed0"):
         assert lomo[name]["pair_in_top3"] is True and lomo[name]["aggregate_best_rank"] == 1, name
