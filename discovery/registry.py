@@ -11,7 +11,7 @@ import importlib
 from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
 
-from .errors import GascanError
+from discovery.errors import GascanError
 
 T = TypeVar("T")
 

@@ -37,7 +37,7 @@ import polars as pl
 from discovery.errors import GascanError
 
 if TYPE_CHECKING:
-    from pipelines.scan import ScanOptions
+    from pipelines.sweep import ScanOptions
 
 STATE_DIR = ".gascan-batch"
 SHARD_DIR = "shards"
@@ -119,7 +119,7 @@ class BatchSpec:
         self.scan_options([self.tasks[0]])  # validates ablation and prompts
 
     def scan_options(self, tasks: list[str], task_options: dict[str, dict[str, Any]] | None = None) -> ScanOptions:
-        from pipelines.scan import ScanOptions
+        from pipelines.sweep import ScanOptions
 
         return ScanOptions(tasks=list(tasks), task_options=dict(task_options or {}), ablation=self.ablation,
                            prompts=self.prompts, seed=self.seed, max_memory_mb=self.max_memory_mb,
@@ -360,7 +360,7 @@ class Shard:
         return f"{self.checkpoint.name} {self.task} {span}"
 
     def scan_options(self) -> ScanOptions:
-        from pipelines.scan import ScanOptions
+        from pipelines.sweep import ScanOptions
 
         return ScanOptions(**self.scan)
 
@@ -429,7 +429,7 @@ class CheckpointInfo:
         return entry["hash"], entry.get("n_layers")
 
     def _tiny(self, spec: str, need_layers: bool) -> tuple[str, int | None]:
-        from discovery.loading import load_model
+        from discovery.model.loading import load_model
 
         lm = load_model(spec, dtype=self.load.dtype)
         return lm.checkpoint_hash(), lm.inventory.n_layers
@@ -483,7 +483,7 @@ def _model_task_defaults(checkpoint: Checkpoint) -> dict[str, dict[str, Any]]:
 def shard_key(checkpoint_hash: str, task: str, options: ScanOptions, layers: tuple[int, int] | None,
               n_layers: int | None, load: LoadOptions, version: str) -> str:
     """sha256 of everything a shard's rows depend on (execution settings excluded, see NOT_IN_KEY)."""
-    from pipelines.scan import TABLE_VERSION
+    from pipelines.sweep import TABLE_VERSION
 
     scan = {k: v for k, v in options.as_dict().items() if k not in ("tasks", "task_options", *NOT_IN_KEY)}
     payload = {
@@ -581,7 +581,7 @@ class ModelCache:
     def get(self, checkpoint: Checkpoint):
         import torch
 
-        from discovery.loading import load_model
+        from discovery.model.loading import load_model
 
         if self.threads is not None and torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)
@@ -613,7 +613,7 @@ def _free_memory() -> None:
 
 def scan_shard(shard: Shard, cache: ModelCache) -> ShardResult:
     """The default shard function: scan one task on one layer range of a (cached) model."""
-    from pipelines.scan import scan_task
+    from pipelines.sweep import scan_task
 
     lm = cache.get(shard.checkpoint)
     if lm.checkpoint_hash() != shard.checkpoint_hash:
@@ -847,7 +847,7 @@ def _checkpoint_frames(out: Path, shards: list[Shard]) -> tuple[list[pl.LazyFram
 def _checkpoint_summary(checkpoint: Checkpoint, shards: list[Shard], markers: list[dict[str, Any]],
                         heads: pl.DataFrame, spec: BatchSpec) -> dict[str, Any]:
     """The per-checkpoint ``summary.json`` in ``gascan scan``'s layout, built from shard markers."""
-    from pipelines.scan import TABLE_VERSION, top_effects
+    from pipelines.sweep import TABLE_VERSION, top_effects
 
     tasks: dict[str, Any] = {}
     for info in markers:
@@ -887,8 +887,8 @@ def merge_batch(spec: BatchSpec, out: Path, shards: list[Shard], *, failures: li
                 executor: dict[str, Any], ran: int, skipped: int, started: float,
                 reports: bool = True) -> dict[str, Any]:
     """Per-checkpoint tables and summaries, the merged table, the series and ``batch_summary.json``."""
+    from discovery.artifacts import write_scan
     from discovery.io import write_json, write_parquet
-    from pipelines.scan import write_scan
 
     by_checkpoint: dict[str, list[Shard]] = {}
     for shard in shards:

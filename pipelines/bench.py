@@ -22,10 +22,10 @@ from typing import Any, Self
 
 import torch
 
-from discovery.ablation import AblationEngine, single_head_ablations
 from discovery.heads import HeadId
-from discovery.intervene import PassConfig
-from discovery.loading import LoadedModel
+from discovery.measure.ablation import AblationEngine, single_head_ablations
+from discovery.model.intervene import PassConfig
+from discovery.model.loading import LoadedModel
 
 
 class PeakMemory:
@@ -109,7 +109,7 @@ def bench_model(lm: LoadedModel, batch, heads: list[HeadId], *, max_memory_mb: f
         results[f"naive_{name}"] = Measure(f"naive loop ({name})", t_naive, m_naive, naive_cost, None, len(heads))
         results[f"sweep_{name}"] = Measure(f"engine sweep ({name})", t_fast, m_fast, fast_cost, diff, len(heads))
         log(f"  {name}: naive {t_naive:.2f}s, engine {t_fast:.2f}s, max |Δ| {diff:.2e}")
-    from discovery.attribution import atp_effects
+    from discovery.measure.attribution import atp_effects
 
     for key, label, qk_fix in (("atp", "attribution screen (AtP)", False), ("atp_qk", "AtP with the QK fix", True)):
         # the screen estimates every head of the model at once; its cost is its measured matmul FLOPs

@@ -7,10 +7,10 @@ import copy
 import pytest
 import torch
 
-from discovery.ablation import Ablation, AblationEngine, keep_only, single_head_ablations
 from discovery.heads import HeadId
-from discovery.loading import load_model
-from discovery.models.tiny import TINY_CONFIGS
+from discovery.measure.ablation import Ablation, AblationEngine, keep_only, single_head_ablations
+from discovery.model.loading import load_model
+from discovery.model.tiny import TINY_CONFIGS
 from discovery.tasks.base import annotate
 from tests.helpers import mc_prompts
 
@@ -85,7 +85,7 @@ def test_zero_ablation_equals_zeroed_weight_columns(engine):
             edited.weight[:, group.columns(head.index)] = 0
     twin = copy.copy(lm)
     twin.model = model
-    from discovery.models.adapter import adapter_for
+    from discovery.model.adapter import adapter_for
 
     twin.adapter = adapter_for(model)
     reference = AblationEngine(twin, engine.batch).clean
@@ -119,7 +119,7 @@ def test_ssm_edge_knockout_batched_equals_naive(arch):
 
 def test_patterns_under_an_ablation_use_the_engine_plan():
     """Zeroing a layer-0 head through engine.plan changes later patterns exactly as a weight edit does."""
-    from discovery.patterns import collect_patterns, for_each_pattern
+    from discovery.measure.patterns import collect_patterns, for_each_pattern
 
     lm = load_model("tiny:llama")
     batch = annotate(mc_prompts(4), lm.tokenizer, padding_side="left")
@@ -134,7 +134,7 @@ def test_patterns_under_an_ablation_use_the_engine_plan():
         model.get_submodule(lm.inventory.group(0, "attn").out_proj).weight[:, lm.inventory.group(0, "attn").columns(0)] = 0
     twin = copy.copy(lm)
     twin.model = model
-    from discovery.models.adapter import adapter_for
+    from discovery.model.adapter import adapter_for
 
     twin.adapter = adapter_for(model)
     reference = collect_patterns(twin, batch, layers=[1])[(1, "attn")]
@@ -172,7 +172,7 @@ def test_holding_a_head_rejects_bad_requests():
 def test_holding_a_head_equals_patching_its_clean_columns_by_hand(arch):
     """Independent check of ``hold``: pre-hooks on the out-projections zero the gather-side head at the
     segment positions and paste the held head's clean columns back at the query."""
-    from discovery.ablation import query_scores, scope_positions
+    from discovery.measure.ablation import query_scores, scope_positions
 
     lm = load_model(f"tiny:{arch}")
     engine = AblationEngine(lm, annotate(mc_prompts(4), lm.tokenizer, padding_side="left"))
@@ -215,7 +215,7 @@ def test_holding_a_head_equals_patching_its_clean_columns_by_hand(arch):
 
 
 def test_mediated_share_is_the_cost_given_back():
-    from discovery.ablation import mediated_share
+    from discovery.measure.ablation import mediated_share
 
     assert mediated_share(-4.0, -1.0) == pytest.approx(0.75)
     assert mediated_share(-4.0, -4.0) == 0.0 and mediated_share(-4.0, 0.0) == 1.0

@@ -16,15 +16,15 @@ import copy
 import pytest
 import torch
 
-from discovery.ablation import AblationEngine, single_head_ablations
-from discovery.attribution import atp_effects, rank_agreement
 from discovery.errors import GascanError
 from discovery.heads import HeadId
-from discovery.intervene import Intervener, PassConfig
-from discovery.loading import LoadedModel, load_model
-from discovery.models.adapter import adapter_for
-from discovery.models.tiny import TINY_CONFIGS, tiny_tokenizer
-from discovery.patterns import model_inputs
+from discovery.measure.ablation import AblationEngine, single_head_ablations
+from discovery.measure.attribution import atp_effects, rank_agreement
+from discovery.measure.patterns import model_inputs
+from discovery.model.adapter import adapter_for
+from discovery.model.intervene import Intervener, PassConfig
+from discovery.model.loading import LoadedModel, load_model
+from discovery.model.tiny import TINY_CONFIGS, tiny_tokenizer
 from discovery.tasks.base import AnnotatedBatch, annotate
 from tests.helpers import mc_prompts
 
@@ -287,7 +287,7 @@ def test_qk_fix_reproduces_the_clean_query_row(arch, overrides, padding_side, mo
     masks) give the model's own query-row pattern, and its query pass (the layer's own code run on
     the clean input at the query position, as tokens at that position) gives the clean queries and
     the query position's own key back."""
-    from discovery import attribution
+    from discovery.measure import attribution
 
     lm = _tiny(arch, **overrides)
     prompts = mc_prompts(3, seed=2)

@@ -44,7 +44,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 def _save_tiny(dest: Path, seed: int, step: int | None = None) -> Path:
     from transformers.utils import logging as hf_logging
 
-    from discovery.models.tiny import tiny_model, tiny_tokenizer
+    from discovery.model.tiny import tiny_model, tiny_tokenizer
 
     hf_logging.disable_progress_bar()
     tiny_model("llama", seed=seed).save_pretrained(dest)
@@ -217,7 +217,7 @@ def test_cli_bad_spec_exit_code(tmp_path, capsys):
 
 
 def test_content_hash_matches_loaded_model(series):
-    from discovery.loading import load_model
+    from discovery.model.loading import load_model
 
     shards = plan_shards(load_spec(series))
     for shard in shards:

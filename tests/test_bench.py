@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from discovery.loading import load_model
+from discovery.model.loading import load_model
 from discovery.tasks.base import annotate
 from pipelines.bench import bench_model
 from pipelines.cli import main

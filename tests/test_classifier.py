@@ -12,7 +12,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from synthetic import synthetic_heads, synthetic_summary, write_synthetic_scan
 
-from discovery.classifier import (
+from discovery.errors import GascanError
+from discovery.rank.classifier import (
     FEATURES,
     ROLE_EXCLUDED,
     HeadClassifier,
@@ -27,7 +28,6 @@ from discovery.classifier import (
     score_heads,
     train_classifier,
 )
-from discovery.errors import GascanError
 from pipelines.cli import main
 
 LAYOUTS = [((1, 2), (2, 1)), ((0, 1), (3, 3)), ((2, 0), (4, 2)), ((1, 3), (2, 0)), ((3, 1), (5, 1))]
@@ -218,7 +218,7 @@ def test_shipped_training_rows_evaluate_leave_one_model_out(capsys):
 
 
 def test_labels_from_ground_truth_files(tmp_path):
-    from discovery.classifier_data import derive_truth, labels_from_truth
+    from pipelines.classifier_data import derive_truth, labels_from_truth
 
     truth = {"clean": {"acc": 1.0}, "gather": [{"layer": 1, "head": 2, "kind": "attn"}],
              "aggregate": [{"layer": 2, "head": 1, "kind": "attn"}], "pairs": []}
@@ -243,7 +243,7 @@ def test_labels_from_ground_truth_files(tmp_path):
 
 
 def test_spread_by_gather_gives_every_gather_head_one_pair_before_any_second():
-    from discovery.classifier import spread_by_gather
+    from discovery.rank.classifier import spread_by_gather
 
     # gather head "g1" with a redundant set of four aggregate heads, then "g2" and "g3" with lower scores
     pairs = [("g1", "a1", 0.09), ("g1", "a2", 0.08), ("g1", "a3", 0.07), ("g1", "a4", 0.06),
@@ -261,7 +261,7 @@ PLACEMENT_HYBRID_ROWS = Path(__file__).parent / "data" / "placement_hybrid_attn0
 
 def _lomo_with_shipped_rows(*extra: pl.DataFrame) -> dict[str, dict]:
     """Leave-one-model-out over the shipped training rows plus ``extra`` labelled head tables, by model."""
-    from discovery.classifier import shipped_training_rows
+    from discovery.rank.classifier import shipped_training_rows
 
     labelled = pl.concat([shipped_training_rows(), *extra], how="diagonal_relaxed")
     return {r["model"]: r for r in leave_one_model_out(labelled).iter_rows(named=True)}
@@ -274,7 +274,7 @@ def test_hybrid_toy_held_out_has_its_true_pair_in_the_top_3():
     a weak own-option pattern) ranks second, behind L0S1, a layer-0 SSM head whose removal breaks
     everything. By P(g)·P(a) alone L0S1's pairs with the five aggregate heads fill the top of the list;
     spread over gather heads, L1H2's best pair comes second."""
-    from discovery.classifier import pair_prior, shipped_training_rows, train_classifier
+    from discovery.rank.classifier import pair_prior, shipped_training_rows, train_classifier
 
     hybrid = pl.read_parquet(HYBRID_ROWS)
     assert hybrid["model"].unique().to_list() == ["bundled:mc-hybrid"]

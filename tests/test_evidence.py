@@ -8,9 +8,9 @@ import copy
 import pytest
 import torch
 
-from discovery.ablation import AblationEngine, single_head_ablations
-from discovery.loading import LoadedModel, load_model
-from discovery.models.adapter import adapter_for
+from discovery.measure.ablation import AblationEngine, single_head_ablations
+from discovery.model.adapter import adapter_for
+from discovery.model.loading import LoadedModel, load_model
 from discovery.tasks.base import annotate
 from tests.helpers import mc_prompts
 
@@ -76,7 +76,7 @@ def redundant_circuit(copies: int = 2) -> LoadedModel:
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from discovery.models.tiny import TINY_VOCAB, tiny_tokenizer
+    from discovery.model.tiny import TINY_VOCAB, tiny_tokenizer
 
     tok = tiny_tokenizer()
     config = LlamaConfig(hidden_size=D_MODEL, intermediate_size=16, num_hidden_layers=2, num_attention_heads=N_HEADS,
@@ -155,8 +155,8 @@ def pattern_table(lm: LoadedModel, batch):
     """The scan's pattern columns (per-head means over prompts) for a hand-made batch."""
     import polars as pl
 
-    from discovery import metrics
-    from discovery.patterns import collect_patterns
+    from discovery.measure import metrics
+    from discovery.measure.patterns import collect_patterns
 
     rows = []
     for (layer, kind), pattern in collect_patterns(lm, batch).items():
@@ -221,7 +221,7 @@ def test_planted_ga_circuit_gives_its_clean_pair_and_names_its_decoys():
     """discovery.planted_ga (another construction: the aggregate head selects by gathered content) with one
     aggregate head: the verdict is clean with exactly the planted pair, and both planted decoys are named."""
     from discovery.evidence import EvidenceThresholds, evidence_report
-    from discovery.planted_ga import planted_model, planted_prompts
+    from discovery.toy.planted import planted_model, planted_prompts
 
     circuit = planted_model(aggregate_copies=1)
     lm = circuit.lm

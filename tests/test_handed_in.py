@@ -7,10 +7,10 @@ import warnings
 import pytest
 import torch
 
-from discovery.ablation import AblationEngine, single_head_ablations
-from discovery.attribution import atp_effects
 from discovery.errors import ModelLoadError
-from discovery.loading import as_loaded, load_model
+from discovery.measure.ablation import AblationEngine, single_head_ablations
+from discovery.measure.attribution import atp_effects
+from discovery.model.loading import as_loaded, load_model
 from discovery.tasks.base import annotate
 from tests.helpers import mc_prompts
 

@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from discovery.loading import load_model
-from discovery.models.tiny import TINY_CONFIGS
+from discovery.model.loading import load_model
+from discovery.model.tiny import TINY_CONFIGS
 from pipelines.cli import main
 
 ARCHS = sorted(TINY_CONFIGS)

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from discovery.errors import ModelLoadError
-from discovery.loading import load_model
-from discovery.models.tables import supported_model_types
-from discovery.models.tiny import tiny_model, tiny_tokenizer
+from discovery.model.loading import load_model
+from discovery.model.tables import supported_model_types
+from discovery.model.tiny import tiny_model, tiny_tokenizer
 from pipelines.cli import main
 
 ARCH = "llama"
@@ -236,7 +236,7 @@ def test_unknown_tiny_architecture(capsys: pytest.CaptureFixture) -> None:
 
 
 def test_bundled_models_have_machine_independent_specs(capsys: pytest.CaptureFixture) -> None:
-    from discovery.loading import load_model
+    from discovery.model.loading import load_model
 
     assert load_model().spec == "bundled:mc-transformer"  # no spec: the default, named without a path
     rc, out, _err = run_inspect(capsys, "bundled:mc1-transformer")

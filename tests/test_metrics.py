@@ -7,9 +7,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from discovery import metrics as M
 from discovery.errors import GascanError
-from discovery.models.tiny import tiny_tokenizer
+from discovery.measure import metrics as M
+from discovery.model.tiny import tiny_tokenizer
 from discovery.tasks import build_task
 from discovery.tasks.base import AnnotatedBatch, Prompt, annotate
 from discovery.tasks.scoring import next_token_scores
@@ -363,8 +363,8 @@ def test_dla_heads_plus_rest_equal_total(tok, norm: str) -> None:
 @pytest.mark.parametrize("arch", ["llama", "mamba2"])
 def test_streamed_patterns_give_padding_independent_metrics(arch: str) -> None:
     """Streamed attention and implicit-attention patterns: same metrics under left and right padding."""
-    from discovery.loading import load_model
-    from discovery.patterns import collect_patterns
+    from discovery.measure.patterns import collect_patterns
+    from discovery.model.loading import load_model
 
     lm = load_model(f"tiny:{arch}")
     prompts = mc_prompts(4)

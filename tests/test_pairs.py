@@ -6,10 +6,11 @@ import json
 import polars as pl
 import pytest
 
+from discovery.artifacts import write_pairs
 from discovery.heads import HeadId
-from discovery.pairs import PAIR_COLUMNS, aggregate_metrics_under, rank_pairs, write_pairs
-from discovery.planted_ga import planted_model, planted_prompts, write_prompts
+from discovery.rank.pairs import PAIR_COLUMNS, aggregate_metrics_under, rank_pairs
 from discovery.tasks.base import annotate
+from discovery.toy.planted import planted_model, planted_prompts, write_prompts
 
 # a layout that is not among the classifier's training variants (discovery.classifier_data.PLANTED_VARIANTS)
 LAYOUT = {"n_layers": 4, "n_heads": 4, "gather": (0, 3), "aggregate": (3, 0), "seed": 11}
@@ -17,7 +18,8 @@ LAYOUT = {"n_layers": 4, "n_heads": 4, "gather": (0, 3), "aggregate": (3, 0), "s
 
 @pytest.fixture(scope="module")
 def planted(tmp_path_factory):
-    from pipelines.scan import ScanOptions, scan_model, write_scan
+    from discovery.artifacts import write_scan
+    from pipelines.sweep import ScanOptions, scan_model
 
     circuit = planted_model(**LAYOUT)
     out = tmp_path_factory.mktemp("planted")
@@ -111,7 +113,7 @@ def test_interaction_patterns_follow_the_ablation(planted):
 
 
 def test_a_pair_is_confident_only_when_verified_and_its_heads_look_like_g_and_a():
-    from discovery.pairs import is_confident
+    from discovery.rank.pairs import is_confident
 
     base = {"verified": True, "p_gather": 0.1, "p_aggregate": 0.1, "gather_role": "other_important",
             "aggregate_role": "other_important"}

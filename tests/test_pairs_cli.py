@@ -5,7 +5,7 @@ import json
 
 import polars as pl
 
-from discovery.planted_ga import planted_model, save_planted
+from discovery.toy.planted import planted_model, save_planted
 from pipelines.cli import main
 
 
@@ -22,9 +22,9 @@ def test_scan_then_report_with_pairs_names_the_planted_pair(tmp_path, capsys):
     scanned = pl.read_parquet(out / "pairs.parquet").sort("rank").row(0, named=True)
     assert (scanned["gather_role"], scanned["aggregate_role"]) == ("gather", "aggregate")
     # the evidence stage (roles, position-resolved effects, minimal model) before the pairs and the report
-    from discovery.evidence import scan_evidence, write_evidence
-    from discovery.loading import load_model
-    from discovery.report import read_scan
+    from discovery.artifacts import read_scan, write_evidence
+    from discovery.evidence import scan_evidence
+    from discovery.model.loading import load_model
 
     scan = read_scan(out)
     write_evidence(out, *scan_evidence(load_model(str(model)), scan.heads, scan.summary, bootstrap=200))

@@ -13,12 +13,13 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from discovery import metrics, ssm
 from discovery.heads import HeadGroup
-from discovery.loading import LoadedModel, load_model
-from discovery.models.adapter import adapter_for
-from discovery.models.tiny import TINY_CONFIGS
-from discovery.patterns import collect_patterns, for_each_pattern, model_inputs, pattern_metric_values
+from discovery.measure import metrics
+from discovery.measure.patterns import collect_patterns, for_each_pattern, model_inputs, pattern_metric_values
+from discovery.model import ssm
+from discovery.model.adapter import adapter_for
+from discovery.model.loading import LoadedModel, load_model
+from discovery.model.tiny import TINY_CONFIGS
 from discovery.tasks.base import AnnotatedBatch, annotate
 from tests.helpers import mc_prompts
 

@@ -11,9 +11,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from synthetic import synthetic_heads, synthetic_summary, write_synthetic_scan
 
-from discovery.compare import compare_scans, training_step, write_comparison
 from discovery.errors import GascanError
-from discovery.placement import default_budget, place
+from discovery.rank.placement import default_budget, place
+from discovery.report.compare import compare_scans, training_step, write_comparison
 from pipelines.cli import main
 
 

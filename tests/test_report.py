@@ -14,7 +14,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from synthetic import synthetic_heads, synthetic_summary, write_synthetic_scan
 
-from discovery.report import load_example, read_scan, save_example, write_report
+from discovery.artifacts import read_scan
+from discovery.report import load_example, save_example, write_report
 from pipelines.cli import main
 
 EVIL = "<script>alert(1)</script>"
@@ -24,8 +25,9 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 @pytest.fixture(scope="module")
 def tiny_scan(tmp_path_factory):
     """A real scan of tiny:llama (8 prompts of mc) and the loaded model."""
-    from discovery.loading import load_model
-    from pipelines.scan import ScanOptions, scan_model, write_scan
+    from discovery.artifacts import write_scan
+    from discovery.model.loading import load_model
+    from pipelines.sweep import ScanOptions, scan_model
 
     lm = load_model("tiny:llama")
     heads, summary = scan_model(lm, ScanOptions(prompts=8, bootstrap=200))

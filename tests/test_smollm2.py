@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import discovery.loading
-from discovery.loading import LoadedModel, load_model
-from discovery.patterns import collect_patterns, model_inputs
+import discovery.model.loading
+from discovery.measure.patterns import collect_patterns, model_inputs
+from discovery.model.loading import LoadedModel, load_model
 from discovery.tasks.base import annotate
 from pipelines.cli import main
 from tests.helpers import mc_prompts

@@ -11,8 +11,7 @@ import torch
 from torch import nn
 
 from discovery.errors import GascanError
-from discovery.models.tiny import TINY_CONFIGS
-from discovery.ssm import (
+from discovery.model.ssm import (
     SSMComponents,
     family_of,
     implicit_attention,
@@ -23,6 +22,7 @@ from discovery.ssm import (
     segsum,
     ssm_components,
 )
+from discovery.model.tiny import TINY_CONFIGS
 
 ARCHS = ["mamba", "falcon_mamba", "jamba", "mamba2", "zamba2", "bamba", "falcon_h1"]
 SEQ = 37  # longer than the tiny Mamba-2 chunk (16) and not a multiple of it: exercises the inter-chunk path

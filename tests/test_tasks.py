@@ -385,7 +385,7 @@ def test_next_token_scores_by_hand(bpe):
 
 
 def test_continuation_loglik_equals_independent_sum():
-    from discovery.models.tiny import tiny_model, tiny_tokenizer
+    from discovery.model.tiny import tiny_model, tiny_tokenizer
 
     tok = tiny_tokenizer()
     model = tiny_model("llama", seed=1)
@@ -412,7 +412,7 @@ def test_continuation_loglik_equals_independent_sum():
 
 
 def test_score_batch_next_token_matches_unpadded_forward():
-    from discovery.models.tiny import tiny_model, tiny_tokenizer
+    from discovery.model.tiny import tiny_model, tiny_tokenizer
 
     tok = tiny_tokenizer()
     model = tiny_model("llama", seed=2)

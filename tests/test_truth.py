@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from discovery.planted_ga import planted_model, planted_prompts, write_prompts
+from discovery.rank.truth import ground_truth
 from discovery.tasks.base import annotate
-from discovery.truth import ground_truth
+from discovery.toy.planted import planted_model, planted_prompts, write_prompts
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +32,7 @@ def test_truth_names_the_planted_pair_and_no_decoy(circuit):
 def test_scan_ranks_the_planted_heads_first(tmp_path):
     """The scan (patterns + effects) on the planted circuit without decoys: the gather head has the top
     gather score, the aggregate head the top aggregate focus, and they are the two largest effects."""
-    from pipelines.scan import ScanOptions, scan_task
+    from pipelines.sweep import ScanOptions, scan_task
 
     circuit = planted_model(decoys=False)
     task = write_prompts(tmp_path / "planted.jsonl", 16)

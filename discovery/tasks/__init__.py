@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import TaskError
-from ..registry import Registry
-from .base import (
+from discovery.errors import TaskError
+from discovery.registry import Registry
+from discovery.tasks.base import (
     AnnotatedBatch,
     Option,
     Prompt,

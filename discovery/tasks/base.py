@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..errors import TaskError
+from discovery.errors import TaskError
 
 SCORING_MODES = ("next_token", "continuation")
 

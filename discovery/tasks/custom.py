@@ -16,8 +16,8 @@ import json
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ..errors import TaskError
-from .base import Option, Prompt, Task, check_prompt
+from discovery.errors import TaskError
+from discovery.tasks.base import Option, Prompt, Task, check_prompt
 
 REQUIRED = ("text", "segments", "candidates", "gold")
 

@@ -24,9 +24,9 @@ from __future__ import annotations
 import random
 from typing import ClassVar
 
-from ..errors import TaskError
-from .base import Option, Prompt, Task, TextBuilder
-from .words import CATEGORIES, FIRST_NAMES
+from discovery.errors import TaskError
+from discovery.tasks.base import Option, Prompt, Task, TextBuilder
+from discovery.tasks.words import CATEGORIES, FIRST_NAMES
 
 
 def _key_words() -> list[str]:

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ..errors import TaskError
-from .base import Option, Prompt, Task, TextBuilder
-from .words import ADJECTIVES, CATEGORIES, DETERMINERS, category_words
+from discovery.errors import TaskError
+from discovery.tasks.base import Option, Prompt, Task, TextBuilder
+from discovery.tasks.words import ADJECTIVES, CATEGORIES, DETERMINERS, category_words
 
 LABEL_SETS: dict[str, list[str]] = {
     "upper": list("ABCDEFGHIJ"),

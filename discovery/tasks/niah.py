@@ -18,8 +18,8 @@ from __future__ import annotations
 import random
 from typing import ClassVar
 
-from .base import Option, Prompt, Task, TextBuilder
-from .words import FILLER_SENTENCES
+from discovery.tasks.base import Option, Prompt, Task, TextBuilder
+from discovery.tasks.words import FILLER_SENTENCES
 
 CHARS_PER_TOKEN = 4
 

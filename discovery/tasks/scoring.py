@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .base import AnnotatedBatch
+from discovery.tasks.base import AnnotatedBatch
 
 
 def query_logits(logits: torch.Tensor, batch: AnnotatedBatch) -> torch.Tensor:

@@ -24,7 +24,7 @@ import random
 import string
 from typing import ClassVar
 
-from .base import Option, Prompt, Task, TextBuilder
+from discovery.tasks.base import Option, Prompt, Task, TextBuilder
 
 
 def _names(rng: random.Random, k: int, length: int) -> list[str]:

@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..errors import ModelLoadError
-from .config import ARCHES, TASKS, TrainConfig
+from discovery.errors import ModelLoadError
+from discovery.toy.config import ARCHES, TASKS, TrainConfig
 
 BUNDLED_ROOT = Path(__file__).resolve().parent.parent / "data" / "toy"
 DEFAULT_BUNDLED = "mc-transformer"
@@ -61,7 +61,7 @@ def bundled_checkpoints(name: str = DEFAULT_BUNDLED) -> list[Path]:
 
 def __getattr__(name: str) -> Any:  # lazy: the trainer imports torch
     if name in ("train", "evaluate", "TrainResult"):
-        from . import trainer
+        from discovery.toy import trainer
 
         return getattr(trainer, name)
     raise AttributeError(name)

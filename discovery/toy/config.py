@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..errors import GascanError
+from discovery.errors import GascanError
 
 ARCHES: tuple[str, ...] = ("transformer", "mamba2", "hybrid")
 TASKS: tuple[str, ...] = ("mc", "kv")

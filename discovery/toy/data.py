@@ -12,19 +12,19 @@ from typing import Any
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from ..errors import GascanError, TaskError
+from discovery.errors import GascanError, TaskError
 
 
 def has_word_splits(task: str) -> bool:
     """Whether ``task`` draws train and test prompts from disjoint word lists (a ``split`` option)."""
-    from ..tasks import get_task_class
+    from discovery.tasks import get_task_class
 
     return "split" in get_task_class(task).all_options()
 
 
 def check_task_options(task: str, options: dict[str, Any]) -> dict[str, Any]:
     """Resolve ``options`` against ``task``'s documented options (one-line error if unknown/bad)."""
-    from ..tasks import get_task_class
+    from discovery.tasks import get_task_class
 
     return get_task_class(task).resolve_options(options)
 
@@ -34,7 +34,7 @@ def task_prompts(task: str, split: str, seed: int, n: int, options: dict[str, An
 
     Tasks without word splits (``kv``) get only the seed; the caller gives the test split its own.
     """
-    from ..tasks import build_task
+    from discovery.tasks import build_task
 
     spec = {**options, "seed": seed, "n": n}
     if has_word_splits(task):
@@ -142,7 +142,7 @@ def category_facts(tokenizer, options: dict[str, Any]) -> Facts:
     """One fact per training word of the ``mc`` category generator, in the question's own wording:
     " apple is fruit." with ``question_form=keyword``, " apple is a fruit." with sentences. Only the
     category's tokens are targets, so the loss is about what the word is, nothing else."""
-    from ..tasks.words import CATEGORIES, category_words
+    from discovery.tasks.words import CATEGORIES, category_words
 
     keyword = options.get("question_form", "sentence") == "keyword"
     ids, labels = [], []

@@ -9,8 +9,8 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from ..registry import Registry
-from .config import TrainConfig
+from discovery.registry import Registry
+from discovery.toy.config import TrainConfig
 
 # arch name -> function(config, special token ids) -> transformers config
 TOY_ARCHES: Registry[Callable[[TrainConfig, dict[str, int]], Any]] = Registry("toy architecture")

@@ -16,8 +16,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ..errors import GascanError
-from .config import TrainConfig
+from discovery.errors import GascanError
+from discovery.toy.config import TrainConfig
 
 LEARNED = 0.9  # test accuracy at which a run counts as having learned the task (the speed column)
 
@@ -29,8 +29,9 @@ def layer_ranking(scan_dir: str | Path) -> list[dict[str, Any]]:
 
 def _ranked_layers(scan_dir: str | Path) -> tuple[list[dict[str, Any]], int]:
     """:func:`layer_ranking` and the scanned model's depth, from one read of the scan."""
-    from ..placement import place
-    from ..report import read_scan, scored_heads
+    from discovery.artifacts import read_scan
+    from discovery.rank.placement import place
+    from discovery.report import scored_heads
 
     scan = read_scan(scan_dir)
     n_layers = int(scan.summary.get("n_layers") or 0)
@@ -55,8 +56,8 @@ def check_placement(scan_dir: str | Path, base: TrainConfig, root: str | Path, *
     ``base`` is the recipe (``arch`` and ``attn_layers`` are set here); its ``layers`` must match the
     scanned model's depth, since the advice names that model's layers.
     """
-    from ..io import write_json, write_text
-    from .trainer import train
+    from discovery.io import write_json, write_text
+    from discovery.toy.trainer import train
 
     root = Path(root)
     ranking, depth = _ranked_layers(scan_dir)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from ..errors import GascanError
+from discovery.errors import GascanError
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 

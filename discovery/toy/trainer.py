@@ -27,11 +27,20 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..errors import GascanError
-from .config import TrainConfig
-from .data import Encoded, Facts, category_facts, check_task_options, corpus_texts, encode, has_word_splits, task_prompts
-from .models import build_model
-from .tokenizer import check_single_tokens, train_tokenizer
+from discovery.errors import GascanError
+from discovery.toy.config import TrainConfig
+from discovery.toy.data import (
+    Encoded,
+    Facts,
+    category_facts,
+    check_task_options,
+    corpus_texts,
+    encode,
+    has_word_splits,
+    task_prompts,
+)
+from discovery.toy.models import build_model
+from discovery.toy.tokenizer import check_single_tokens, train_tokenizer
 
 TEST_SEED_OFFSET = 1_000_003  # held-out prompts come from another generator seed
 TEST_SPLIT_NOTE = ("held-out prompts over the training words: split=train, generator seed = seed + "

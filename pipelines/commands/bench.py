@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from discovery.io import write_json
-    from discovery.loading import load_model
+    from discovery.model.loading import load_model
     from pipelines.bench import bench_model
 
     console = Console(emoji=False)

@@ -58,8 +58,8 @@ def _tables_and_labels(parser: argparse.ArgumentParser, required: bool = True) -
 
 
 def _labelled(args: argparse.Namespace):
-    from discovery.classifier import label_rows, load_tables, published_labels, read_labels
-    from discovery.classifier_data import labels_for_dirs, labels_from_truth
+    from discovery.rank.classifier import label_rows, load_tables, published_labels, read_labels
+    from pipelines.classifier_data import labels_for_dirs, labels_from_truth
 
     frame = load_tables(args.tables)
     labels: list[dict] = []
@@ -82,7 +82,7 @@ def _labelled(args: argparse.Namespace):
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from discovery.classifier import leave_one_model_out, save_classifier, train_classifier
+    from discovery.rank.classifier import leave_one_model_out, save_classifier, train_classifier
 
     labelled = _labelled(args)
     lomo = leave_one_model_out(labelled, c=args.c) if labelled.select("model", "checkpoint").n_unique() > 1 else None
@@ -140,7 +140,7 @@ def _print_lomo(lomo) -> None:
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    from discovery.classifier import leave_one_model_out, shipped_training_rows
+    from discovery.rank.classifier import leave_one_model_out, shipped_training_rows
 
     labelled = _labelled(args) if args.tables else shipped_training_rows()
     lomo = leave_one_model_out(labelled, threshold=args.threshold, c=args.c)
@@ -152,7 +152,7 @@ def run_eval(args: argparse.Namespace) -> int:
 
 
 def run_planted(args: argparse.Namespace) -> int:
-    from discovery.classifier_data import build_planted_set
+    from pipelines.classifier_data import build_planted_set
 
     dirs = build_planted_set(args.out, prompts=args.prompts, progress=print)
     print(f"wrote {len(dirs)} planted scans under {args.out}")
@@ -160,7 +160,7 @@ def run_planted(args: argparse.Namespace) -> int:
 
 
 def run_show(args: argparse.Namespace) -> int:
-    from discovery.classifier import load_classifier
+    from discovery.rank.classifier import load_classifier
 
     clf = load_classifier(args.path)
     print(json.dumps({"version": clf.version, "meta": clf.meta}, indent=1))

@@ -24,7 +24,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, optional_model: bool
 
 def load_from_args(args: argparse.Namespace, attn_implementation: str = "sdpa"):
     """Load the model named by parsed ``args`` (see :func:`add_model_arguments`)."""
-    from discovery.loading import load_model
+    from discovery.model.loading import load_model
 
     return load_model(
         args.model, dtype=args.dtype, device=args.device, allow_pickle=args.allow_pickle,

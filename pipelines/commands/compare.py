@@ -21,8 +21,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from discovery.compare import COLUMNS, compare_scans, write_comparison
     from discovery.report import fmt
+    from discovery.report.compare import COLUMNS, compare_scans, write_comparison
 
     table = compare_scans(args.dirs)
     if args.json:

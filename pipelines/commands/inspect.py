@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from .common import add_model_arguments, load_from_args
+from pipelines.commands.common import add_model_arguments, load_from_args
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

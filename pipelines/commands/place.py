@@ -21,8 +21,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from discovery.placement import default_budget, place
-    from discovery.report import read_scan, scored_heads
+    from discovery.artifacts import read_scan
+    from discovery.rank.placement import default_budget, place
+    from discovery.report import scored_heads
 
     scan = read_scan(args.dir)
     budget = args.budget if args.budget is not None else default_budget(scan.summary, args.unit)

@@ -22,15 +22,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from discovery.report import read_scan, write_report
+    from discovery.artifacts import read_scan
+    from discovery.report import write_report
 
     lm = None
     if args.load_model or args.pairs:
-        from discovery.loading import load_model
+        from discovery.model.loading import load_model
 
         lm = load_model(read_scan(args.dir).summary.get("spec"), device=args.device)
     if args.pairs:
-        from discovery.pairs import scan_pairs, write_pairs
+        from discovery.artifacts import write_pairs
+        from discovery.rank.pairs import scan_pairs
 
         scan = read_scan(args.dir)
         table, fields = scan_pairs(lm, scan.heads, scan.summary, evidence=scan.evidence)

@@ -6,15 +6,14 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .common import add_model_arguments, load_from_args
+from pipelines.commands.common import add_model_arguments, load_from_args
 
 DEFAULT_OUT = "runs/scan"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from pipelines.scan import ABLATION_MODES
-
-    from .tasks import add_task_arguments
+    from pipelines.commands.tasks import add_task_arguments
+    from pipelines.sweep import ABLATION_MODES
 
     parser = sub.add_parser(
         "scan", help="sweep every head of a model (the main job)",
@@ -57,8 +56,9 @@ def run(args: argparse.Namespace) -> int:
     from rich.markup import escape
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+    from discovery.artifacts import write_scan
     from discovery.tasks import load_task_options, parse_task_options, split_spec
-    from pipelines.scan import ScanOptions, scan_model, write_scan
+    from pipelines.sweep import ScanOptions, scan_model
 
     console = Console(stderr=True, emoji=False)
     tasks = args.task or ["mc"]
@@ -90,8 +90,9 @@ def run(args: argparse.Namespace) -> int:
         heads, summary = scan_model(lm, options, progress=progress)
         out = write_scan(args.out, heads, summary)
         if args.ablation != "none" and heads.height:
-            from discovery.evidence import scan_evidence, write_evidence
-            from discovery.pairs import scan_pairs, write_pairs
+            from discovery.artifacts import write_evidence, write_pairs
+            from discovery.evidence import scan_evidence
+            from discovery.rank.pairs import scan_pairs
 
             # position-resolved effects, minimal model, group ablations, verdicts (bars per stage)
             tables, evidence_fields = scan_evidence(lm, heads, summary, progress=progress)

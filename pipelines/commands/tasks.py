@@ -89,7 +89,7 @@ def _tokenizer(args: argparse.Namespace, prompts: list[Any]) -> tuple[Any, str]:
 
         return tokenizer_for_prompts(prompts), "byte-level BPE trained on this task's prompts (no --model)"
     try:
-        from discovery.loading import load_tokenizer
+        from discovery.model.loading import load_tokenizer
     except ImportError:  # the loading module is optional here
         from transformers import AutoTokenizer
 

@@ -10,8 +10,8 @@ import argparse
 from pathlib import Path
 
 from discovery.errors import GascanError
-from discovery.toy.config import SSM_INITS, TrainConfig
 from discovery.tasks.base import parse_task_options
+from discovery.toy.config import SSM_INITS, TrainConfig
 
 
 def _int_list(text: str, flag: str) -> list[int]:
@@ -156,10 +156,10 @@ def run_truth(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from discovery.io import write_json
-    from discovery.loading import load_model
+    from discovery.model.loading import load_model
+    from discovery.rank.truth import ground_truth
     from discovery.tasks import build_task
     from discovery.tasks.base import annotate
-    from discovery.truth import ground_truth
     from pipelines.commands.scan import model_task_defaults
 
     console = Console(stderr=True, emoji=False)

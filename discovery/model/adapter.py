@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..errors import GascanError
-from ..heads import HeadGroup, Inventory
-from .tables import ArchTable, Component, supported_model_types, table_for
+from discovery.errors import GascanError
+from discovery.heads import HeadGroup, Inventory
+from discovery.model.tables import ArchTable, Component, supported_model_types, table_for
 
 DEFAULT_MAMBA1_GROUPS = 32  # Mamba-1 has channels, not heads: about this many channel groups per layer
 # A layer with one of these normalises each block's output before the residual add (Gemma 2/3, OLMo 2)

@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 import numpy as np
 import polars as pl
 
-from .errors import GascanError
+from discovery.errors import GascanError
 
 VERSION = 1
 ROLES = ("gather", "aggregate")
@@ -93,7 +93,9 @@ def _col(frame: pl.DataFrame, name: str) -> pl.Expr:
 
 def head_features(frame: pl.DataFrame) -> pl.DataFrame:
     """The :data:`FEATURES` of every row (null = not measured), normalised per (model, checkpoint, task)."""
-    from .metrics import SELECTION_METRICS  # here, not at the top: importing the classifier needs no torch
+    from discovery.measure.metrics import (
+        SELECTION_METRICS,  # here, not at the top: importing the classifier needs no torch
+    )
 
     if frame.height == 0:
         return pl.DataFrame({f: [] for f in FEATURES}, schema={f: pl.Float64 for f in FEATURES})
@@ -215,7 +217,7 @@ class HeadClassifier:
 
 
 def save_classifier(clf: HeadClassifier, path: str | Path) -> Path:
-    from .io import write_json
+    from discovery.io import write_json
 
     return write_json(path, clf.to_json())
 

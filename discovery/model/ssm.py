@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .errors import GascanError
+from discovery.errors import GascanError
 
 Family = Literal["mamba1", "mamba2"]
 

@@ -10,17 +10,16 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import polars as pl
 import torch
 
-from discovery.ablation import AblationEngine, Progress, single_head_ablations, stage_ticker
-from discovery.attribution import atp_effects, rank_agreement
 from discovery.errors import GascanError
 from discovery.heads import HeadGroup, HeadId
-from discovery.loading import LoadedModel
+from discovery.measure.ablation import AblationEngine, Progress, single_head_ablations, stage_ticker
+from discovery.measure.attribution import atp_effects, rank_agreement
+from discovery.model.loading import LoadedModel
 from discovery.stats import bootstrap_ci
 from discovery.tasks import build_task
 from discovery.tasks.base import AnnotatedBatch, annotate
@@ -84,8 +83,8 @@ def _depth(layer: int, n_layers: int) -> float:
 def _pattern_metrics(lm: LoadedModel, batch: AnnotatedBatch, groups: list[HeadGroup], chunk: int,
                      progress: Progress | None) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
     """Per group, per metric: the per-head mean over prompts ``[head]`` (NaN where undefined)."""
-    from discovery import metrics
-    from discovery.patterns import pattern_metric_values
+    from discovery.measure import metrics
+    from discovery.measure.patterns import pattern_metric_values
 
     tick = stage_ticker(progress, "patterns", len(groups) * math.ceil(len(batch) / chunk))
     values = pattern_metric_values(lm, batch, layers=sorted({g.layer for g in groups}),
@@ -96,9 +95,9 @@ def _pattern_metrics(lm: LoadedModel, batch: AnnotatedBatch, groups: list[HeadGr
 
 def _dla(lm: LoadedModel, batch: AnnotatedBatch, groups: list[HeadGroup]) -> dict[tuple[int, str], torch.Tensor]:
     """Direct logit attribution per head ``[head]`` at the query position (final norm frozen)."""
-    from discovery import metrics
-    from discovery.intervene import Intervener, PassConfig
-    from discovery.patterns import model_inputs
+    from discovery.measure import metrics
+    from discovery.measure.patterns import model_inputs
+    from discovery.model.intervene import Intervener, PassConfig
 
     device = next(lm.model.parameters()).device
     part = batch.to(device)
@@ -227,13 +226,3 @@ def scan_model(lm: LoadedModel, options: ScanOptions, *, layers: Sequence[int] |
         "top_effects": top_effects(heads), "table_version": TABLE_VERSION,
     }
     return heads, summary
-
-
-def write_scan(out_dir: str | Path, heads: pl.DataFrame, summary: dict[str, Any]) -> Path:
-    """Write ``heads.parquet`` and ``summary.json`` atomically into ``out_dir``."""
-    from discovery.io import write_json, write_parquet
-
-    out = Path(out_dir)
-    write_parquet(out / "heads.parquet", heads)
-    write_json(out / "summary.json", summary)
-    return out

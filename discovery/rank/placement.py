@@ -30,8 +30,8 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from .errors import GascanError
-from .pairs import is_confident
+from discovery.errors import GascanError
+from discovery.rank.pairs import is_confident
 
 UNITS = ("layer", "head")
 
@@ -94,7 +94,7 @@ def _pair_members(pairs: pl.DataFrame | None) -> dict[tuple[int, int, str], tupl
 def head_scores(heads: pl.DataFrame, summary: Mapping[str, Any] | None = None,
                 pairs: pl.DataFrame | None = None) -> pl.DataFrame:
     """One row per head (best task): role, importance, pair bonus, score and the reason text."""
-    from .classifier import attach_clean, head_features
+    from discovery.rank.classifier import attach_clean, head_features
 
     if heads.height == 0:
         return pl.DataFrame()

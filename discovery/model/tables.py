@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..heads import HeadKind
-from ..registry import Registry
+from discovery.heads import HeadKind
+from discovery.registry import Registry
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,6 @@ from __future__ import annotations
 import base64
 import html
 import io
-import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -33,11 +32,10 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from .errors import GascanError
+from discovery.artifacts import PATTERNS_FILE, Scan, read_scan, with_evidence
+from discovery.errors import GascanError
 
 CHEAP_MODEL_BYTES = 64 * 2**20
-PATTERNS_FILE = "patterns.npz"
-PAIRS_FILE = "pairs.parquet"
 MAX_PATTERN_KEYS = 160  # longer example prompts show their last keys only
 
 # (column, label, colour scale): "seq" 0..1, "div" symmetric around 0, "prob" 0..1
@@ -95,69 +93,6 @@ def fmt(value: Any, digits: int = 3) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-@dataclass
-class Scan:
-    """What one scan directory holds."""
-
-    dir: Path
-    summary: dict[str, Any]
-    heads: pl.DataFrame
-    pairs: pl.DataFrame | None = None
-    evidence: pl.DataFrame | None = None  # evidence.parquet (discovery.evidence): roles, scopes, minimal model
-    evidence_groups: pl.DataFrame | None = None
-    evidence_depth: pl.DataFrame | None = None
-
-    @property
-    def tasks(self) -> list[str]:
-        listed = list((self.summary.get("tasks") or {}).keys())
-        seen = [t for t in self.heads["task"].unique(maintain_order=True).to_list() if t not in listed]
-        return listed + seen
-
-    def clean(self, task: str) -> dict[str, Any]:
-        return ((self.summary.get("tasks") or {}).get(task) or {}).get("clean") or {}
-
-
-def read_scan(out_dir: str | Path) -> Scan:
-    """Read a scan directory; a missing or unreadable table is a one-line error."""
-    out = Path(out_dir)
-    table, summary_path = out / "heads.parquet", out / "summary.json"
-    if not table.is_file() or not summary_path.is_file():
-        raise GascanError(f"{out} is not a scan directory (no heads.parquet and summary.json)",
-                          "pass the --out directory of `gascan scan`")
-    try:
-        summary = json.loads(summary_path.read_text(encoding="utf-8"))
-        heads = pl.read_parquet(table)
-    except (OSError, ValueError, pl.exceptions.PolarsError) as err:  # corrupt files: name them
-        raise GascanError(f"cannot read the scan in {out} ({err.__class__.__name__}: {str(err)[:120]})",
-                          "rerun `gascan scan` for this model") from None
-    extra: dict[str, pl.DataFrame | None] = {}
-    for key, name in (("pairs", PAIRS_FILE), ("evidence", "evidence.parquet"),
-                      ("evidence_groups", "evidence_groups.parquet"), ("evidence_depth", "evidence_depth.parquet")):
-        path = out / name
-        try:
-            extra[key] = pl.read_parquet(path) if path.is_file() else None
-        except (OSError, pl.exceptions.PolarsError) as err:
-            raise GascanError(f"cannot read {path} ({err.__class__.__name__})",
-                              f"delete it or rerun the stage that writes {name}") from None
-    return Scan(out, summary, heads, **extra)
-
-
-EVIDENCE_JOIN = ("task", "layer", "head", "kind")
-
-
-def with_evidence(heads: pl.DataFrame, evidence: pl.DataFrame | None) -> pl.DataFrame:
-    """The head table plus the evidence stage's per-head columns it lacks (roles, position-resolved and
-    minimal-model effects)."""
-    if evidence is None or evidence.height == 0:
-        return heads
-    keys = [k for k in EVIDENCE_JOIN if k in heads.columns and k in evidence.columns]
-    new = [c for c in evidence.columns if c not in heads.columns]
-    if not new or len(keys) < 3:
-        return heads
-    right = evidence.select(keys + new).unique(keys, keep="first")
-    return heads.join(right, on=keys, how="left")
-
-
 def scored_heads(scan: Scan) -> pl.DataFrame:
     """The head table with the evidence stage's columns and ``p_gather``/``p_aggregate`` (from the table,
     else the shipped classifier)."""
@@ -165,7 +100,7 @@ def scored_heads(scan: Scan) -> pl.DataFrame:
     if "p_gather" in heads.columns and "p_aggregate" in heads.columns:
         return heads
     try:
-        from .classifier import score_heads
+        from discovery.rank.classifier import score_heads
 
         return score_heads(heads, scan.summary)
     except GascanError:  # no classifier artifact in this install: report without probabilities
@@ -259,7 +194,7 @@ def heatmap_figure(frame: pl.DataFrame, n_layers: int, title: str,
 
 def depth_profile_figure(frame: pl.DataFrame, n_layers: int, title: str) -> bytes | None:
     """Per layer: the strongest gather and aggregate evidence (probabilities, and pattern × effect)."""
-    from .classifier import head_features
+    from discovery.rank.classifier import head_features
 
     if frame.height == 0:
         return None
@@ -347,7 +282,7 @@ def pattern_figure(example: Mapping[str, Any]) -> bytes | None:
 
 def top_heads(frame: pl.DataFrame, role: str, k: int = 1) -> list[tuple[int, int, str]]:
     """The k best heads of a role: by classifier probability, else by pattern × effect evidence."""
-    from .classifier import head_features
+    from discovery.rank.classifier import head_features
 
     if frame.height == 0:
         return []
@@ -366,9 +301,9 @@ def top_heads(frame: pl.DataFrame, role: str, k: int = 1) -> list[tuple[int, int
 def compute_example(lm: Any, summary: Mapping[str, Any], task: str, heads: Sequence[tuple[int, int, str, str]],
                     index: int = 0) -> dict[str, Any]:
     """Patterns of ``heads`` (layer, head, kind, role) on prompt ``index`` of ``task`` as the scan built it."""
-    from .patterns import collect_patterns
-    from .tasks import build_task
-    from .tasks.base import annotate
+    from discovery.measure.patterns import collect_patterns
+    from discovery.tasks import build_task
+    from discovery.tasks.base import annotate
 
     options = dict(((summary.get("tasks") or {}).get(task) or {}).get("options") or {})
     prompts = build_task(task, options).prompts()
@@ -401,7 +336,7 @@ def compute_example(lm: Any, summary: Mapping[str, Any], task: str, heads: Seque
 
 def save_example(path: Path, example: Mapping[str, Any]) -> Path:
     """Write the example as .npz of plain arrays (strings as unicode arrays: no pickle needed to read)."""
-    from .io import write_bytes
+    from discovery.io import write_bytes
 
     arrays = {
         "task": np.array(str(example["task"])), "prompt_index": np.array(int(example["prompt_index"])),
@@ -462,7 +397,7 @@ def example_for_report(scan: Scan, heads: pl.DataFrame, lm: Any = None) -> tuple
         if not _cheap_spec(spec):
             return None, ("the example attention pattern needs the model; rebuild with the model loaded "
                           "(`gascan scan` draws it) to include it")
-        from .loading import load_model
+        from discovery.model.loading import load_model
 
         try:
             lm = load_model(spec)
@@ -522,7 +457,7 @@ VERDICT_WORDS = {"clean": "clean G&A pair(s) found", "distributed": "G&A distrib
 
 def pair_verdict(scan: Scan) -> str:
     """What the pair ranking concluded (a confident pair, a verified pair of non-G&A heads, or neither)."""
-    from .pairs import is_confident
+    from discovery.rank.pairs import is_confident
 
     pairs = scan.summary.get("top_pairs") or []
     if not pairs:
@@ -647,7 +582,7 @@ def _pairs_section(scan: Scan) -> Section:
 
 def _decoys_section(scan: Scan, heads: pl.DataFrame) -> Section:
     """Heads whose pattern looks like G&A but whose ablation changes (almost) nothing."""
-    from .classifier import head_features
+    from discovery.rank.classifier import head_features
 
     sec = Section("Pattern without effect (possible decoys)")
     if "role" in heads.columns:
@@ -750,7 +685,7 @@ def minimal_depth_figure(scan: Scan) -> bytes | None:
 
 def _published_section(scan: Scan, heads: pl.DataFrame) -> Section | None:
     """Where the paper's G&A heads rank in this scan, when this model is one of the paper's."""
-    from .classifier import label_rows, published_labels
+    from discovery.rank.classifier import label_rows, published_labels
 
     try:
         labels = published_labels()
@@ -774,7 +709,7 @@ def _published_section(scan: Scan, heads: pl.DataFrame) -> Section | None:
 
 
 def _placement_section(scan: Scan, heads: pl.DataFrame) -> Section:
-    from .placement import default_budget, place
+    from discovery.rank.placement import default_budget, place
 
     sec = Section("Where attention belongs (placement advice)")
     for unit in ("layer", "head"):
@@ -933,7 +868,7 @@ def render_html(scan: Scan, sections: Sequence[Section]) -> str:
 
 def write_report(out_dir: str | Path, lm: Any = None) -> Path:
     """Rebuild ``report.md``, ``report.html`` and ``figures/*.png`` in a scan directory; returns the HTML path."""
-    from .io import write_bytes, write_text
+    from discovery.io import write_bytes, write_text
 
     scan = read_scan(out_dir)
     sections, figures = build_sections(scan, lm)

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .models.adapter import Adapter
+from discovery.model.adapter import Adapter
 
 GASCAN_ATTENTION = "gascan"
 
@@ -220,7 +220,7 @@ class Intervener:
         def hook(module, args, kwargs):
             sink = state.config.mixer_sinks.get(state.current_layer)
             if sink is not None:
-                from .ssm import mixer_inputs
+                from discovery.model.ssm import mixer_inputs
 
                 sink(*mixer_inputs(args, kwargs))
 

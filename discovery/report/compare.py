@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from .errors import GascanError
+from discovery.errors import GascanError
 
 STEP_RE = re.compile(r"(?:^|[^a-z])step[-_]?(\d+)", re.IGNORECASE)
 
@@ -57,8 +57,9 @@ def _best(frame: pl.DataFrame, column: str) -> dict[str, Any] | None:
 
 def compare_scans(dirs: Sequence[str | Path]) -> pl.DataFrame:
     """One row per scan directory × task (see module docstring)."""
-    from .classifier import CLEAN_FLOOR, attach_clean, head_features
-    from .report import read_scan, scored_heads
+    from discovery.artifacts import read_scan
+    from discovery.rank.classifier import CLEAN_FLOOR, attach_clean, head_features
+    from discovery.report import scored_heads
 
     if not dirs:
         raise GascanError("no scan directories given", "pass two or more --out directories of `gascan scan`")
@@ -121,7 +122,7 @@ SERIES_METRICS = (("clean_acc", "clean accuracy"), ("max_aggregate_evidence", "m
 
 def series_figure(table: pl.DataFrame) -> bytes | None:
     """Metrics against training step, one line per task (when at least two scans have a step)."""
-    from .report import _plt, _png
+    from discovery.report import _plt, _png
 
     part = table.filter(pl.col("step").is_not_null()) if "step" in table.columns else table.clear()
     if part.select("step").n_unique() < 2:
@@ -147,7 +148,7 @@ def series_figure(table: pl.DataFrame) -> bytes | None:
 
 def depth_figure(table: pl.DataFrame) -> bytes | None:
     """Gather and aggregate depth (fraction of the model's layers) per scan × task."""
-    from .report import _plt, _png
+    from discovery.report import _plt, _png
 
     if table.height == 0 or ("gather_depth" not in table.columns and "aggregate_depth" not in table.columns):
         return None
@@ -179,8 +180,8 @@ def write_comparison(table: pl.DataFrame, out: str | Path) -> Path:
     """compare.parquet, compare.md, a self-contained compare.html and figures/*.png in ``out``."""
     import base64
 
-    from .io import write_bytes, write_parquet, write_text
-    from .report import esc, fmt, md_cell
+    from discovery.io import write_bytes, write_parquet, write_text
+    from discovery.report import esc, fmt, md_cell
 
     out = Path(out)
     write_parquet(out / "compare.parquet", table)

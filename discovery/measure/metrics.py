@@ -38,8 +38,8 @@ from types import MappingProxyType
 import torch
 from torch import Tensor
 
-from .errors import GascanError
-from .tasks.base import AnnotatedBatch
+from discovery.errors import GascanError
+from discovery.tasks.base import AnnotatedBatch
 
 METRICS: Mapping[str, str] = MappingProxyType({
     "gather_score": "mass from each segment's summary token onto its segment's other tokens, "

@@ -17,7 +17,7 @@ from typing import Any
 
 import polars as pl
 
-from .errors import GascanError
+from discovery.errors import GascanError
 
 PLANTED_VARIANTS: tuple[dict[str, Any], ...] = (
     {"n_layers": 4, "n_heads": 4, "gather": (1, 2), "aggregate": (2, 1), "seed": 0},
@@ -39,11 +39,11 @@ def build_planted_set(out_root: str | Path, *, prompts: int = 32, variants: Sequ
                       pairs: bool = True, progress: Callable[[str], None] | None = None) -> list[Path]:
     """Scan every planted variant into ``out_root/<name>/`` (heads.parquet, summary.json, truth.json,
     pairs.parquet); returns the scan directories."""
-    from pipelines.scan import ScanOptions, scan_model, write_scan
-
-    from .io import write_json
-    from .pairs import scan_pairs, write_pairs
-    from .planted_ga import planted_model, write_prompts
+    from discovery.artifacts import write_pairs, write_scan
+    from discovery.io import write_json
+    from discovery.rank.pairs import scan_pairs
+    from discovery.toy.planted import planted_model, write_prompts
+    from pipelines.sweep import ScanOptions, scan_model
 
     dirs = []
     for i, variant in enumerate(variants):
@@ -118,7 +118,7 @@ def derive_truth(heads: pl.DataFrame, clean_ld: float, *, effect: float = TRUTH_
 
 def _scanned_model_dir(spec: str | None) -> Path | None:
     """The directory a scan's model spec resolves to (as the loader resolves it), or None."""
-    from .loading import resolve_spec
+    from discovery.model.loading import resolve_spec
 
     if not spec:
         return None
@@ -131,7 +131,7 @@ def _scanned_model_dir(spec: str | None) -> Path | None:
 
 def labels_for_dirs(dirs: Sequence[str | Path]) -> list[dict[str, Any]]:
     """Labels of scan directories from their truth.json (or the scanned model's truth.json, or derived)."""
-    from .report import read_scan
+    from discovery.artifacts import read_scan
 
     labels: list[dict[str, Any]] = []
     for d in dirs:

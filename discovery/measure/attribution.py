@@ -56,15 +56,15 @@ from dataclasses import dataclass
 
 import torch
 
-from .ablation import SCOPES, class_index, class_means, scope_positions
-from .errors import GascanError
-from .flops import MatmulFlops
-from .heads import HeadId
-from .intervene import Intervener, PassConfig
-from .loading import LoadedModel
-from .patterns import model_inputs
-from .tasks.base import AnnotatedBatch
-from .tasks.scoring import next_token_scores, query_logits
+from discovery.errors import GascanError
+from discovery.heads import HeadId
+from discovery.measure.ablation import SCOPES, class_index, class_means, scope_positions
+from discovery.measure.flops import MatmulFlops
+from discovery.measure.patterns import model_inputs
+from discovery.model.intervene import Intervener, PassConfig
+from discovery.model.loading import LoadedModel
+from discovery.tasks.base import AnnotatedBatch
+from discovery.tasks.scoring import next_token_scores, query_logits
 
 ATP_METHODS = ("zero", "mean")
 ATP_METRICS = ("logit_diff", "gold_logprob")  # differentiable; accuracy is not
@@ -427,7 +427,7 @@ def atp_effects(lm: LoadedModel, batch: AnnotatedBatch, *, heads: Sequence[HeadI
     QK fix's query passes hold at most ``max_rows`` rows. See the module docstring for exactly
     what is approximated.
     """
-    from .loading import as_loaded
+    from discovery.model.loading import as_loaded
 
     lm = as_loaded(lm)  # a LoadedModel, an nnsight LanguageModel or a transformers model
     chosen = _check(lm, batch, heads, method, scope, metric, chunk_prompts)

@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
-from .heads import HeadId
-from .tasks.base import Prompt
+from discovery.heads import HeadId
+from discovery.tasks.base import Prompt
 
 LABELS = "ABCD"
 CONTENTS = "abcdefgh"
@@ -91,7 +91,7 @@ def planted_prompts(n: int, seed: int = 0) -> list[Prompt]:
 
 def write_prompts(path: str | Path, n: int, seed: int = 0) -> Path:
     """The prompts as a ``jsonl:`` task file, so ``gascan scan DIR --task jsonl:PATH`` can use them."""
-    from .io import write_text
+    from discovery.io import write_text
 
     lines = [json.dumps({"text": p.text, "segments": p.segments, "labels": p.labels, "gold": p.gold,
                          "candidates": p.candidates}) for p in planted_prompts(n, seed)]
@@ -116,9 +116,9 @@ def planted_model(n_layers: int = 4, n_heads: int = 4, gather: tuple[int, int] =
     """Build the planted circuit (see module docstring) as a gascan ``LoadedModel``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from .loading import LoadedModel
-    from .models.adapter import adapter_for
-    from .models.tiny import TINY_VOCAB, tiny_tokenizer
+    from discovery.model.adapter import adapter_for
+    from discovery.model.loading import LoadedModel
+    from discovery.model.tiny import TINY_VOCAB, tiny_tokenizer
 
     (gl, gh), (al, ah) = gather, aggregate
     if not 0 <= gl < al < n_layers or not (0 <= gh < n_heads and 0 <= ah < n_heads):
@@ -234,7 +234,7 @@ def planted_model(n_layers: int = 4, n_heads: int = 4, gather: tuple[int, int] =
 
 def save_planted(circuit: PlantedCircuit, out: str | Path, n_prompts: int = 64, seed: int = 0) -> Path:
     """Save as a Hugging Face directory (safetensors, tokenizer), ``prompts.jsonl`` and ``truth.json``."""
-    from .io import write_json
+    from discovery.io import write_json
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -63,7 +63,7 @@ def tiny_model(arch: str, seed: int = 0, attn_implementation: str = "eager") -> 
     """Build a tiny random model of ``arch`` (a key of ``TINY_CONFIGS``), deterministic for ``seed``."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ..errors import GascanError
+    from discovery.errors import GascanError
 
     if arch not in TINY_CONFIGS:
         raise GascanError(f"no tiny config for {arch!r}", f"use one of: {', '.join(sorted(TINY_CONFIGS))}")

@@ -13,10 +13,10 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from .heads import HeadGroup
-from .intervene import Intervener, PassConfig
-from .loading import LoadedModel
-from .tasks.base import AnnotatedBatch
+from discovery.heads import HeadGroup
+from discovery.model.intervene import Intervener, PassConfig
+from discovery.model.loading import LoadedModel
+from discovery.tasks.base import AnnotatedBatch
 
 # (group, prompt rows, pattern [batch, head, q, k], extras e.g. {"D": [head]}) -> None
 PatternSink = Callable[[HeadGroup, slice, torch.Tensor, dict], None]
@@ -40,7 +40,7 @@ def for_each_pattern(lm: LoadedModel, batch: AnnotatedBatch, sink: PatternSink, 
     ``lambda rows: engine.plan([Ablation((gather_head,))], rows)``): patterns under an ablation, for
     the pair interaction test.
     """
-    from . import ssm
+    from discovery.model import ssm
 
     wanted_layers = set(range(lm.inventory.n_layers) if layers is None else layers)
     groups = [g for g in lm.inventory.groups if g.layer in wanted_layers and g.kind in set(kinds)]
@@ -81,7 +81,7 @@ def pattern_metric_values(lm: LoadedModel, batch: AnnotatedBatch, *, layers: Ite
     patterns are never held beyond one chunk. ``on_chunk`` is called after each (group, chunk), for
     progress bars; ``edits_for`` is passed to :func:`for_each_pattern`.
     """
-    from . import metrics
+    from discovery.measure import metrics
 
     parts: dict[tuple[int, str], dict[str, list[torch.Tensor]]] = {}
 

@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from .errors import ModelLoadError
-from .models.adapter import Adapter, adapter_for
-from .models.tables import supported_model_types
+from discovery.errors import ModelLoadError
+from discovery.model.adapter import Adapter, adapter_for
+from discovery.model.tables import supported_model_types
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
@@ -103,7 +103,7 @@ def resolve_spec(spec: str | os.PathLike | None) -> tuple[str, Path | None, str 
     """Turn a user's model spec into (kind, directory, gguf file name); kinds: tiny, dir, gguf."""
     text = BUNDLED_SPEC if spec is None else str(spec)
     if text.startswith("bundled:"):  # a toy model shipped inside the package (machine-independent name)
-        from .toy import bundled_model_path
+        from discovery.toy import bundled_model_path
 
         return "dir", bundled_model_path(text.split(":", 1)[1]), None
     if text in PACKAGED:
@@ -169,7 +169,7 @@ def load_tokenizer(spec: str | os.PathLike | None, *, trust_remote_code: bool = 
 
     kind, directory, name = resolve_spec(spec)
     if kind == "tiny":
-        from .models.tiny import tiny_tokenizer
+        from discovery.model.tiny import tiny_tokenizer
 
         return tiny_tokenizer()
     try:
@@ -198,7 +198,7 @@ def load_model(
     torch_dtype = _dtype(dtype)
     kind, directory, name = resolve_spec(spec)
     if kind == "tiny":
-        from .models.tiny import tiny_model, tiny_tokenizer
+        from discovery.model.tiny import tiny_model, tiny_tokenizer
 
         model = tiny_model(name, attn_implementation=attn_implementation).to(torch_dtype).to(device)
         return LoadedModel(model, tiny_tokenizer(), adapter_for(model, mamba1_group_width), str(spec))

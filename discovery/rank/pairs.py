@@ -54,12 +54,12 @@ import numpy as np
 import polars as pl
 import torch
 
-from .ablation import Ablation, AblationEngine, mediated_share
-from .classifier import attach_clean, head_features, load_classifier, spread_by_gather
-from .errors import GascanError
-from .heads import HeadId
-from .metrics import selection
-from .stats import bootstrap_ci
+from discovery.errors import GascanError
+from discovery.heads import HeadId
+from discovery.measure.ablation import Ablation, AblationEngine, mediated_share
+from discovery.measure.metrics import selection
+from discovery.rank.classifier import attach_clean, head_features, load_classifier, spread_by_gather
+from discovery.stats import bootstrap_ci
 
 PAIR_COLUMNS = (
     "task", "rank", "gather_layer", "gather_head", "gather_kind", "aggregate_layer", "aggregate_head",
@@ -95,7 +95,7 @@ def aggregate_metrics_under(lm: Any, batch: Any, ablate: HeadId | None, watch: S
                             engine: AblationEngine | None = None, chunk: int = 16) -> dict[HeadId, dict[str, float]]:
     """``agg_select``, ``agg_after`` and ``agg_focus`` (means over prompts) of the ``watch`` heads, with ``ablate``
     zero-ablated at every position through the engine's own edits (clean when ``ablate`` is None)."""
-    from .patterns import pattern_metric_values
+    from discovery.measure.patterns import pattern_metric_values
 
     edits_for = None
     if ablate is not None:
@@ -290,9 +290,9 @@ def scan_pairs(lm: Any, heads: pl.DataFrame, summary: Mapping[str, Any], k: int 
                evidence: pl.DataFrame | None = None, **kwargs: Any) -> tuple[pl.DataFrame, dict[str, Any]]:
     """Pairs for every task of a finished scan: each task's batch rebuilt as the scan built it. With the
     evidence stage's table (``evidence.parquet``), its roles steer the candidates (see :func:`rank_pairs`)."""
-    from .report import with_evidence
-    from .tasks import build_task
-    from .tasks.base import annotate
+    from discovery.artifacts import with_evidence
+    from discovery.tasks import build_task
+    from discovery.tasks.base import annotate
 
     heads = with_evidence(heads, evidence)
 
@@ -309,17 +309,3 @@ def scan_pairs(lm: Any, heads: pl.DataFrame, summary: Mapping[str, Any], k: int 
     table = pl.concat([f for f in frames if f.height], how="diagonal_relaxed") if any(f.height for f in frames) \
         else pl.DataFrame()
     return table, merge_fields(fields, k)
-
-
-def write_pairs(out_dir: Any, table: pl.DataFrame, fields: Mapping[str, Any]) -> None:
-    """Write pairs.parquet and merge the fields into summary.json (both atomically)."""
-    import json
-    from pathlib import Path
-
-    from .io import write_json, write_parquet
-
-    out = Path(out_dir)
-    write_parquet(out / "pairs.parquet", table)
-    summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
-    summary.update(fields)
-    write_json(out / "summary.json", summary)

@@ -40,13 +40,20 @@ from typing import Any
 import polars as pl
 import torch
 
-from .ablation import Ablation, AblationEngine, Progress, query_scores, single_head_ablations, stage_ticker
-from .errors import GascanError
-from .heads import HeadId
-from .loading import LoadedModel
-from .metrics import SELECTION_METRICS, linearised_norm_scale, selection
-from .stats import bootstrap_ci
-from .tasks.base import AnnotatedBatch
+from discovery.errors import GascanError
+from discovery.heads import HeadId
+from discovery.measure.ablation import (
+    Ablation,
+    AblationEngine,
+    Progress,
+    query_scores,
+    single_head_ablations,
+    stage_ticker,
+)
+from discovery.measure.metrics import SELECTION_METRICS, linearised_norm_scale, selection
+from discovery.model.loading import LoadedModel
+from discovery.stats import bootstrap_ci
+from discovery.tasks.base import AnnotatedBatch
 
 ROLES = ("gather", "aggregate", "other_important", "decoy", "none")
 VERDICTS = ("clean", "distributed", "none")
@@ -225,8 +232,8 @@ def depth_profile(lm: LoadedModel, batch: AnnotatedBatch) -> pl.DataFrame:
     (above chance: ``(acc - chance) / (clean acc - chance)``, null when the clean model is not above
     chance by a margin) and ``ld_frac`` (``logit_diff / clean logit_diff``, null when that is <= 0).
     """
-    from .intervene import Intervener, PassConfig
-    from .patterns import model_inputs
+    from discovery.measure.patterns import model_inputs
+    from discovery.model.intervene import Intervener, PassConfig
 
     device = next(lm.model.parameters()).device
     part = batch.to(device)
@@ -488,7 +495,7 @@ def _reader_values(engine: AblationEngine, readers: Sequence[HeadId], ablation: 
                    ) -> dict[HeadId, dict[str, float | None]]:
     """Selectivity, agg_select (attention readers) and direct logit effect at the query of each reader,
     in one pass with ``ablation`` applied (None: clean)."""
-    from .patterns import model_inputs
+    from discovery.measure.patterns import model_inputs
 
     batch = engine.batch
     rows = torch.arange(len(batch), device=engine.device)
@@ -520,7 +527,7 @@ def _reader_values(engine: AblationEngine, readers: Sequence[HeadId], ablation: 
 
 def _implicit_sink(engine: AblationEngine, group: Any, probs: dict, previous: Callable | None) -> Callable:
     """A mixer sink that stores an SSM group's implicit attention ``[batch, head, q, k]`` in ``probs``."""
-    from . import ssm
+    from discovery.model import ssm
 
     mixer = engine.lm.adapter.mixer(group.layer, group.kind)
 
@@ -540,7 +547,7 @@ def _reader_readout(engine: AblationEngine, by_group: Mapping[tuple[int, str], l
                     probs: Mapping[tuple[int, str], torch.Tensor]
                     ) -> dict[HeadId, dict[str, float | None]]:
     """The readers' values from the captured out-projection inputs and attention probabilities."""
-    from . import metrics
+    from discovery.measure import metrics
 
     lm, batch = engine.lm, engine.batch
     rows = torch.arange(len(batch), device=engine.device)
@@ -905,7 +912,7 @@ class EvidenceReport:
     def write(self, out_dir: str | Path, suffix: str = "") -> Path:
         """Write ``evidence{suffix}.parquet``, ``evidence_groups{suffix}.parquet``,
         ``evidence_depth{suffix}.parquet`` and ``evidence_reads{suffix}.parquet`` atomically."""
-        from .io import write_parquet
+        from discovery.io import write_parquet
 
         out = Path(out_dir)
         write_parquet(out / f"evidence{suffix}.parquet", self.heads)
@@ -1021,8 +1028,8 @@ def scan_evidence(lm: LoadedModel, heads: pl.DataFrame, summary: Mapping[str, An
     each task's batch rebuilt exactly as the scan built it. Returns the tables of all tasks concatenated
     (``evidence``, ``evidence_groups``, ``evidence_depth``, ``evidence_reads``; each row names its task)
     and the summary field ``{"evidence": {task: report summary}}``."""
-    from .tasks import build_task
-    from .tasks.base import annotate
+    from discovery.tasks import build_task
+    from discovery.tasks.base import annotate
 
     tables: dict[str, list[pl.DataFrame]] = {"evidence": [], "evidence_groups": [], "evidence_depth": [],
                                              "evidence_reads": []}
@@ -1045,20 +1052,3 @@ def scan_evidence(lm: LoadedModel, heads: pl.DataFrame, summary: Mapping[str, An
     merged = {name: pl.concat(parts, how="diagonal_relaxed") if parts else pl.DataFrame()
               for name, parts in tables.items()}
     return merged, {"evidence": per_task}
-
-
-def write_evidence(out_dir: str | Path, tables: Mapping[str, pl.DataFrame], fields: Mapping[str, Any]) -> Path:
-    """Write the :func:`scan_evidence` tables as ``NAME.parquet`` and merge ``fields`` into the scan's
-    ``summary.json`` (all atomically)."""
-    import json
-
-    from .io import write_json, write_parquet
-
-    out = Path(out_dir)
-    for name, table in tables.items():
-        write_parquet(out / f"{name}.parquet", table)
-    path = out / "summary.json"
-    summary = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
-    summary.update(_jsonable(dict(fields)))
-    write_json(path, summary)
-    return out

@@ -45,12 +45,12 @@ from typing import Any
 
 import torch
 
-from .ablation import Ablation, AblationEngine, mediated_share, single_head_ablations
-from .heads import HeadId
-from .loading import LoadedModel
-from .metrics import selection
-from .patterns import pattern_metric_values
-from .tasks.base import AnnotatedBatch
+from discovery.heads import HeadId
+from discovery.measure.ablation import Ablation, AblationEngine, mediated_share, single_head_ablations
+from discovery.measure.metrics import selection
+from discovery.measure.patterns import pattern_metric_values
+from discovery.model.loading import LoadedModel
+from discovery.tasks.base import AnnotatedBatch
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ class TruthRules:
 
 
 def _metric_table(lm: LoadedModel, batch: AnnotatedBatch, edits_for=None, layers=None) -> dict[HeadId, dict[str, float]]:
-    from . import metrics
+    from discovery.measure import metrics
 
     values = pattern_metric_values(lm, batch, layers=layers, edits_for=edits_for)
     out: dict[HeadId, dict[str, float]] = {}

@@ -25,10 +25,10 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .heads import HeadId, Inventory
-from .intervene import Intervener, PassConfig
-from .loading import LoadedModel
-from .tasks.base import AnnotatedBatch
+from discovery.heads import HeadId, Inventory
+from discovery.model.intervene import Intervener, PassConfig
+from discovery.model.loading import LoadedModel
+from discovery.tasks.base import AnnotatedBatch
 
 METHODS = ("zero", "mean", "knockout")
 SCOPES = ("all", "query", "summary", "segment", "label")
@@ -111,7 +111,7 @@ class Scores:
 
 def query_scores(query_logits: torch.Tensor, batch: AnnotatedBatch) -> Scores:
     """Scores of ``query_logits`` ``[ablation, prompt, vocab]`` against the batch's candidates."""
-    from .tasks.scoring import next_token_scores
+    from discovery.tasks.scoring import next_token_scores
 
     parts = [next_token_scores(query_logits[a], batch) for a in range(query_logits.shape[0])]
     return Scores(*(torch.stack([p[m].float() for p in parts]) for m in METRICS))
@@ -179,7 +179,7 @@ class AblationEngine:
 
     def __init__(self, lm: LoadedModel, batch: AnnotatedBatch, *, max_rows: int | None = None,
                  max_memory_mb: float | None = None, readout_layer: int | None = None) -> None:
-        from .loading import as_loaded
+        from discovery.model.loading import as_loaded
 
         lm = as_loaded(lm)  # a LoadedModel, an nnsight LanguageModel or a transformers model
         if batch.padding_side != "left":
@@ -479,7 +479,7 @@ def _knockout_probs(knock, n: int, p: int, n_heads: int, t: int, device) -> Call
 
 def _capture_components(mixer: torch.nn.Module, holder: dict) -> Callable:
     """Mixer sink: recompute the SSM components of this pass's rows (for SSM edge knockout)."""
-    from . import ssm
+    from discovery.model import ssm
 
     def sink(hidden: torch.Tensor, mask: torch.Tensor | None) -> None:
         holder["comp"] = ssm.ssm_components(mixer, hidden, mask)
@@ -494,7 +494,7 @@ def _knockout_ssm(mixer: torch.nn.Module, holder: dict, knock, p: int, width: in
     (the gated norm would otherwise leak the change into the other heads)."""
     import dataclasses
 
-    from . import ssm
+    from discovery.model import ssm
 
     def edit(x: torch.Tensor) -> torch.Tensor:  # [row, pos, in]
         if previous is not None:

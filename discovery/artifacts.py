@@ -1,0 +1,154 @@
+"""The scan directory: its file names, how each stage's tables are read and written, and the joins.
+
+Every stage reads what the stage before wrote, through this module only, so any stage can be rerun
+alone. Writes are atomic (:mod:`discovery.io`): a crash never leaves a half-written table.
+
+Files (all optional but ``heads.parquet`` and ``summary.json``):
+
+- ``heads.parquet`` (the sweep: one row per task x head), ``summary.json`` (the model, the options,
+  per-task clean scores, and the fields each later stage merges in: ``evidence``, ``top_pairs``,
+  ``verdict``, ...);
+- ``evidence*.parquet`` (the evidence stage), ``pairs.parquet`` (the pair ranking);
+- ``patterns.npz`` (the report's example pattern), ``report.md``, ``report.html``, ``figures/``.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from discovery.errors import GascanError
+from discovery.io import write_json, write_parquet
+
+HEADS_FILE = "heads.parquet"
+SUMMARY_FILE = "summary.json"
+PAIRS_FILE = "pairs.parquet"
+PATTERNS_FILE = "patterns.npz"
+EVIDENCE_TABLES = ("evidence", "evidence_groups", "evidence_depth", "evidence_reads")
+EVIDENCE_JOIN = ("task", "layer", "head", "kind")
+
+
+@dataclass
+class Scan:
+    """What one scan directory holds."""
+
+    dir: Path
+    summary: dict[str, Any]
+    heads: pl.DataFrame
+    pairs: pl.DataFrame | None = None
+    evidence: pl.DataFrame | None = None  # evidence.parquet: roles, scopes, minimal model per head
+    evidence_groups: pl.DataFrame | None = None
+    evidence_depth: pl.DataFrame | None = None
+    evidence_reads: pl.DataFrame | None = None
+
+    @property
+    def tasks(self) -> list[str]:
+        listed = list((self.summary.get("tasks") or {}).keys())
+        seen = [t for t in self.heads["task"].unique(maintain_order=True).to_list() if t not in listed] \
+            if "task" in self.heads.columns else []
+        return listed + seen
+
+    def clean(self, task: str) -> dict[str, Any]:
+        return ((self.summary.get("tasks") or {}).get(task) or {}).get("clean") or {}
+
+
+def read_summary(out_dir: str | Path) -> dict[str, Any]:
+    """``summary.json`` of a scan directory ({} when absent)."""
+    path = Path(out_dir) / SUMMARY_FILE
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise GascanError(f"cannot read {path} ({err.__class__.__name__})", "rerun `gascan scan` for this model") \
+            from None
+
+
+def read_scan(out_dir: str | Path) -> Scan:
+    """Read a scan directory; a missing or unreadable table is a one-line error."""
+    out = Path(out_dir)
+    table, summary_path = out / HEADS_FILE, out / SUMMARY_FILE
+    if not table.is_file() or not summary_path.is_file():
+        raise GascanError(f"{out} is not a scan directory (no heads.parquet and summary.json)",
+                          "pass the --out directory of `gascan scan`")
+    try:
+        summary = json.loads(summary_path.read_text(encoding="utf-8"))
+        heads = pl.read_parquet(table)
+    except (OSError, ValueError, pl.exceptions.PolarsError) as err:  # corrupt files: name them
+        raise GascanError(f"cannot read the scan in {out} ({err.__class__.__name__}: {str(err)[:120]})",
+                          "rerun `gascan scan` for this model") from None
+    extra: dict[str, pl.DataFrame | None] = {}
+    for key in ("pairs", *EVIDENCE_TABLES):
+        path = out / (PAIRS_FILE if key == "pairs" else f"{key}.parquet")
+        try:
+            extra[key] = pl.read_parquet(path) if path.is_file() else None
+        except (OSError, pl.exceptions.PolarsError) as err:
+            raise GascanError(f"cannot read {path} ({err.__class__.__name__})",
+                              f"delete it or rerun the stage that writes {path.name}") from None
+    return Scan(out, summary, heads, **extra)
+
+
+def with_evidence(heads: pl.DataFrame, evidence: pl.DataFrame | None) -> pl.DataFrame:
+    """The head table plus the evidence stage's per-head columns it lacks (roles, position-resolved and
+    minimal-model effects)."""
+    if evidence is None or evidence.height == 0:
+        return heads
+    keys = [k for k in EVIDENCE_JOIN if k in heads.columns and k in evidence.columns]
+    new = [c for c in evidence.columns if c not in heads.columns]
+    if not new or len(keys) < 3:
+        return heads
+    right = evidence.select(keys + new).unique(keys, keep="first")
+    return heads.join(right, on=keys, how="left")
+
+
+def write_scan(out_dir: str | Path, heads: pl.DataFrame, summary: Mapping[str, Any]) -> Path:
+    """The sweep's output: ``heads.parquet`` and ``summary.json``, atomically."""
+    out = Path(out_dir)
+    write_parquet(out / HEADS_FILE, heads)
+    write_json(out / SUMMARY_FILE, _jsonable(dict(summary)))
+    return out
+
+
+def update_summary(out_dir: str | Path, fields: Mapping[str, Any]) -> dict[str, Any]:
+    """Merge a stage's ``fields`` into ``summary.json`` (atomically); returns the new summary."""
+    out = Path(out_dir)
+    summary = read_summary(out)
+    summary.update(_jsonable(dict(fields)))
+    write_json(out / SUMMARY_FILE, summary)
+    return summary
+
+
+def write_evidence(out_dir: str | Path, tables: Mapping[str, pl.DataFrame], fields: Mapping[str, Any]) -> Path:
+    """The evidence stage's output: ``NAME.parquet`` per table and its fields merged into ``summary.json``."""
+    out = Path(out_dir)
+    for name, table in tables.items():
+        write_parquet(out / f"{name}.parquet", table)
+    update_summary(out, fields)
+    return out
+
+
+def write_pairs(out_dir: str | Path, table: pl.DataFrame, fields: Mapping[str, Any]) -> Path:
+    """The pair ranking's output: ``pairs.parquet`` and its fields merged into ``summary.json``."""
+    out = Path(out_dir)
+    write_parquet(out / PAIRS_FILE, table)
+    update_summary(out, fields)
+    return out
+
+
+def _jsonable(value: Any) -> Any:
+    """Plain JSON values: NaN and infinities become null (JSON has neither), tuples lists."""
+    import math
+
+    if isinstance(value, float):
+        return None if math.isnan(value) or math.isinf(value) else value
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if hasattr(value, "item") and callable(value.item):  # numpy / torch scalars
+        return _jsonable(value.item())
+    return value
