@@ -109,7 +109,7 @@ def write_scan(out_dir: str | Path, heads: pl.DataFrame, summary: Mapping[str, A
     """The sweep's output: ``heads.parquet`` and ``summary.json``, atomically."""
     out = Path(out_dir)
     write_parquet(out / HEADS_FILE, heads)
-    write_json(out / SUMMARY_FILE, _jsonable(dict(summary)))
+    write_json(out / SUMMARY_FILE, jsonable(dict(summary)))
     return out
 
 
@@ -117,7 +117,7 @@ def update_summary(out_dir: str | Path, fields: Mapping[str, Any]) -> dict[str, 
     """Merge a stage's ``fields`` into ``summary.json`` (atomically); returns the new summary."""
     out = Path(out_dir)
     summary = read_summary(out)
-    summary.update(_jsonable(dict(fields)))
+    summary.update(jsonable(dict(fields)))
     write_json(out / SUMMARY_FILE, summary)
     return summary
 
@@ -139,16 +139,16 @@ def write_pairs(out_dir: str | Path, table: pl.DataFrame, fields: Mapping[str, A
     return out
 
 
-def _jsonable(value: Any) -> Any:
+def jsonable(value: Any) -> Any:
     """Plain JSON values: NaN and infinities become null (JSON has neither), tuples lists."""
     import math
 
     if isinstance(value, float):
         return None if math.isnan(value) or math.isinf(value) else value
     if isinstance(value, Mapping):
-        return {str(k): _jsonable(v) for k, v in value.items()}
+        return {str(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
+        return [jsonable(v) for v in value]
     if hasattr(value, "item") and callable(value.item):  # numpy / torch scalars
-        return _jsonable(value.item())
+        return jsonable(value.item())
     return value

@@ -1,15 +1,14 @@
-"""``gascan scan``: load a model once, then per task the pattern pass, the attribution screen and the
-chosen ablation sweep, written as one head table (``heads.parquet``) and ``summary.json``.
+"""The sweep stage: per task the pattern pass, direct logit attribution, the attribution screen and the
+chosen ablation sweep over every head, as one head table (``heads.parquet``) and the scan summary.
 
-Every stage reads what the one before wrote, so each can be rerun alone; ``scan_task`` takes a layer
-range so the batch layer can shard a model's heads over workers and merge the tables afterwards.
+``scan_task`` takes a layer range so the batch layer can shard a model's heads over workers and merge
+the tables afterwards; :mod:`pipelines.pipeline` puts this stage first.
 """
 from __future__ import annotations
 
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import polars as pl
@@ -19,43 +18,15 @@ from discovery.errors import GascanError
 from discovery.heads import HeadGroup, HeadId
 from discovery.measure.ablation import AblationEngine, Progress, single_head_ablations, stage_ticker
 from discovery.measure.attribution import atp_effects, rank_agreement
+from discovery.measure.dla import head_dla
 from discovery.model.loading import LoadedModel
 from discovery.stats import bootstrap_ci
 from discovery.tasks import build_task
 from discovery.tasks.base import AnnotatedBatch, annotate
+from pipelines.options import TABLE_VERSION, ScanOptions
 
-ABLATION_MODES = ("exact", "query", "atp", "none")
 EFFECT_METRICS = {"logit_diff": "ld", "acc": "acc", "gold_logprob": "lp"}
-TABLE_VERSION = 1
 
-
-
-@dataclass
-class ScanOptions:
-    """What a scan does; recorded in summary.json and part of the batch layer's shard keys."""
-
-    tasks: list[str] = field(default_factory=lambda: ["mc"])
-    task_options: dict[str, dict[str, Any]] = field(default_factory=dict)
-    ablation: str = "exact"
-    prompts: int = 64
-    seed: int = 0
-    max_memory_mb: float | None = None
-    bootstrap: int = 1000
-    chunk_prompts: int = 16
-
-    def __post_init__(self) -> None:
-        if self.ablation not in ABLATION_MODES:
-            raise GascanError(f"unknown ablation mode {self.ablation!r}", f"use one of: {', '.join(ABLATION_MODES)}")
-        if self.prompts < 2:
-            raise GascanError(f"--prompts {self.prompts} is too few", "use at least 2 prompts (64 is the default)")
-
-    def options_for(self, task: str) -> dict[str, Any]:
-        opts = {"seed": self.seed, "n": self.prompts}
-        opts.update(self.task_options.get(task, {}))
-        return opts
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def task_batch(lm: LoadedModel, task_spec: str, options: dict[str, Any]) -> AnnotatedBatch:
@@ -93,46 +64,6 @@ def _pattern_metrics(lm: LoadedModel, batch: AnnotatedBatch, groups: list[HeadGr
     return {key: metrics.summarise(named) for key, named in values.items()}
 
 
-def _dla(lm: LoadedModel, batch: AnnotatedBatch, groups: list[HeadGroup]) -> dict[tuple[int, str], torch.Tensor]:
-    """Direct logit attribution per head ``[head]`` at the query position (final norm frozen)."""
-    from discovery.measure import metrics
-    from discovery.measure.patterns import model_inputs
-    from discovery.model.intervene import Intervener, PassConfig
-
-    device = next(lm.model.parameters()).device
-    part = batch.to(device)
-    rows = torch.arange(len(batch), device=device)
-    captured: dict[tuple[int, str], torch.Tensor] = {}
-    norm_in: list[torch.Tensor] = []
-
-    def grab(key):
-        def edit(x):
-            captured[key] = x[rows, part.query_pos].detach()  # [batch, in_features]
-            return x
-        return edit
-
-    config = PassConfig(proj_edits={(g.layer, g.kind): grab((g.layer, g.kind)) for g in groups})
-    norm = lm.adapter.final_norm()
-    handle = norm.register_forward_pre_hook(lambda m, a: norm_in.append(a[0].detach()))
-    try:
-        with torch.no_grad(), Intervener(lm.adapter).run(config):
-            lm.model(**model_inputs(lm.model, part))
-    finally:
-        handle.remove()
-    resid = norm_in[-1][rows, part.query_pos].float()  # [batch, d_model]
-    scale = metrics.linearised_norm_scale(norm, resid)  # [batch, d_model]
-    unembed = lm.adapter.unembed().weight.float()  # [vocab, d_model]
-    out = {}
-    for g in groups:
-        key = (g.layer, g.kind)
-        heads = metrics.head_outputs(captured[key].float(), lm.adapter.out_proj_weight(g.layer, g.kind).float(),
-                                     g.count, g.width)  # [batch, head, d_model]
-        values = metrics.dla(heads * scale[:, None, :], unembed, part.cand_first_token, part.gold, None,
-                             center=isinstance(norm, torch.nn.LayerNorm), cand_mask=part.cand_mask)
-        out[key] = torch.nanmean(values.cpu(), dim=0)
-    return out
-
-
 def scan_task(lm: LoadedModel, task_spec: str, options: ScanOptions, *, layers: Sequence[int] | None = None,
               progress: Progress | None = None) -> tuple[pl.DataFrame, dict[str, Any]]:
     """Scan one task on the heads of ``layers`` (default all): the head table rows and task summary."""
@@ -149,7 +80,7 @@ def scan_task(lm: LoadedModel, task_spec: str, options: ScanOptions, *, layers: 
     if progress:
         progress("patterns", 0, 1)
     pattern_values = _pattern_metrics(lm, batch, groups, options.chunk_prompts, progress)
-    dla_values = _dla(lm, batch, groups)
+    dla_values = head_dla(lm, batch, groups)
     for g in groups:
         for h in g.heads():
             for name, values in pattern_values[(g.layer, g.kind)].items():

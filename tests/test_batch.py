@@ -36,7 +36,7 @@ from pipelines.batch import (
     shard_paths,
     spec_from_dict,
 )
-from pipelines.executors import RayExecutor, SerialExecutor
+from pipelines.batch.executors import RayExecutor, SerialExecutor
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
@@ -173,7 +173,7 @@ n_choices = 3
     spec = load_spec(tmp_path / "a.toml")
     assert spec.name == "zoo"
     assert [(c.name, c.step) for c in spec.checkpoints] == [("step-000100", 100), ("last", 300)]
-    assert (spec.ablation, spec.prompts, spec.layers_per_shard, spec.tasks) == ("none", 8, 2, ["mc", "kv"])
+    assert (spec.scan.ablation, spec.scan.prompts, spec.layers_per_shard, spec.tasks) == ("none", 8, 2, ["mc", "kv"])
     shards = plan_shards(spec)
     # 2 checkpoints x 2 tasks x ceil(3 / 2) layer ranges, each layer exactly once per checkpoint and task
     assert len(shards) == 8
@@ -184,7 +184,7 @@ n_choices = 3
     (tmp_path / "b.yaml").write_text(f"models:\n  - series: {series}\n    name: run\ntasks: [mc]\nscan:\n  prompts: 4\n")
     spec = load_spec(tmp_path / "b.yaml")
     assert [c.name for c in spec.checkpoints] == ["run-step-000100", "run-step-000200", "run-step-000300"]
-    assert spec.prompts == 4
+    assert spec.scan.prompts == 4
 
 
 @pytest.mark.parametrize("data, words", [
@@ -230,34 +230,35 @@ def test_resume_skips_unchanged_and_rescans_changed(series, tmp_path, monkeypatc
     shutil.copytree(series, root)
     out, log = tmp_path / "out", tmp_path / "log"
     spec = _fake_spec(root)
-    first = run_batch(spec, out, shard_fn=FakeScan(str(log)), progress=False, reports=False)
+    first = run_batch(spec, out, finish=False, shard_fn=FakeScan(str(log)), progress=False, reports=False)
     assert (first.total, first.ran, first.skipped, first.failures) == (18, 18, 0, [])  # 3 ckpt x 2 tasks x 3 layers
     heads = pl.read_parquet(out / "heads.parquet")
     assert heads.height == 18 * 2 and not heads.select(
         pl.struct("checkpoint_name", "task", "layer", "head", "kind").is_duplicated().any()).item()
     assert sorted(heads["step"].unique().to_list()) == [100, 200, 300]
 
-    again = run_batch(spec, out, shard_fn=FakeScan(str(log)), progress=False, reports=False)
+    again = run_batch(spec, out, finish=False, shard_fn=FakeScan(str(log)), progress=False, reports=False)
     assert (again.ran, again.skipped) == (0, 18) and len(_executed(log)) == 18
 
     # same bytes, new mtime: rehashed, nothing rescanned
     os.utime(next((root / "checkpoints" / "step-000200").glob("*.safetensors")), ns=(1, 1))
-    assert run_batch(spec, out, shard_fn=FakeScan(str(log)), progress=False, reports=False).ran == 0
+    assert run_batch(spec, out, finish=False, shard_fn=FakeScan(str(log)), progress=False, reports=False).ran == 0
 
     # new weights in one checkpoint: its 6 shards and only those run again
     changed = root / "checkpoints" / "step-000200"
     old_hash = heads.filter(pl.col("checkpoint_name") == "step-000200")["checkpoint"][0]
     shutil.rmtree(changed)
     _save_tiny(changed, seed=42)
-    third = run_batch(spec, out, shard_fn=FakeScan(str(log)), progress=False, reports=False)
+    third = run_batch(spec, out, finish=False, shard_fn=FakeScan(str(log)), progress=False, reports=False)
     assert (third.ran, third.skipped) == (6, 12)
     new = pl.read_parquet(out / "heads.parquet")
     assert new.height == 36 and old_hash not in new["checkpoint"].to_list()
     assert new.filter(pl.col("checkpoint_name") == "step-000200")["checkpoint"].n_unique() == 1
 
     # another gascan version rescans everything
-    monkeypatch.setattr("pipelines.batch.gascan_version", lambda: "99.0")
-    assert run_batch(spec, out, shard_fn=FakeScan(str(log)), progress=False, reports=False).ran == 18
+    for module in ("shards", "run"):  # the version every shard key and the batch summary record
+        monkeypatch.setattr(f"pipelines.batch.{module}.gascan_version", lambda: "99.0")
+    assert run_batch(spec, out, finish=False, shard_fn=FakeScan(str(log)), progress=False, reports=False).ran == 18
     summary = json.loads((out / "batch_summary.json").read_text())
     assert summary["gascan_version"] == "99.0" and summary["shards"]["done"] == 18
 
@@ -265,7 +266,7 @@ def test_resume_skips_unchanged_and_rescans_changed(series, tmp_path, monkeypatc
 def test_incomplete_shards_are_rerun(series, tmp_path):
     out, log = tmp_path / "out", tmp_path / "log"
     spec = _fake_spec(series)
-    run_batch(spec, out, shard_fn=FakeScan(str(log)), progress=False, reports=False)
+    run_batch(spec, out, finish=False, shard_fn=FakeScan(str(log)), progress=False, reports=False)
     shards = plan_shards(spec, out)
     _, marker_a = shard_paths(out, shards[0])
     marker_a.unlink()  # driver killed between the table's rename and the marker
@@ -276,7 +277,7 @@ def test_incomplete_shards_are_rerun(series, tmp_path):
     stray.write_bytes(b"half a table")
     assert read_marker(out, shards[0]) is None and read_marker(out, shards[5]) is None
     before = len(_executed(log))
-    result = run_batch(spec, out, shard_fn=FakeScan(str(log)), progress=False, reports=False)
+    result = run_batch(spec, out, finish=False, shard_fn=FakeScan(str(log)), progress=False, reports=False)
     assert result.ran == 2 and set(_executed(log)[before:]) == {shards[0].key, shards[5].key}
     assert not stray.exists() and pl.read_parquet(out / "heads.parquet").height == 36
 
@@ -285,7 +286,7 @@ def test_exception_fails_only_its_shard(series, tmp_path):
     out, log = tmp_path / "out", tmp_path / "log"
     spec = _fake_spec(series)
     bad = "step-000200 kv layers 1-1"
-    result = run_batch(spec, out, shard_fn=FakeScan(str(log), raise_on=bad), progress=False, reports=False)
+    result = run_batch(spec, out, finish=False, shard_fn=FakeScan(str(log), raise_on=bad), progress=False, reports=False)
     assert result.ran == 17 and len(result.failures) == 1
     failure = result.failures[0]
     assert failure["shard"] == bad and not failure["crashed"]
@@ -297,7 +298,7 @@ def test_exception_fails_only_its_shard(series, tmp_path):
     heads = pl.read_parquet(out / "heads.parquet")
     assert heads.height == 34 and heads.filter((pl.col("checkpoint_name") == "step-000200")
                                                & (pl.col("task") == "kv") & (pl.col("layer") == 1)).height == 0
-    rerun = run_batch(spec, out, shard_fn=FakeScan(str(log)), progress=False, reports=False)
+    rerun = run_batch(spec, out, finish=False, shard_fn=FakeScan(str(log)), progress=False, reports=False)
     assert (rerun.ran, rerun.failures) == (1, []) and pl.read_parquet(out / "heads.parquet").height == 36
     assert json.loads((out / "step-000200" / "summary.json").read_text())["complete"] is True
 
@@ -307,7 +308,7 @@ def test_unplannable_checkpoint_fails_alone(series, tmp_path):
     shutil.copytree(series, root)
     for weights in (root / "checkpoints" / "step-000200").glob("*.safetensors"):
         weights.unlink()  # e.g. a copy that did not finish
-    result = run_batch(_fake_spec(root), tmp_path / "out", shard_fn=FakeScan(str(tmp_path / "log")),
+    result = run_batch(_fake_spec(root), tmp_path / "out", finish=False, shard_fn=FakeScan(str(tmp_path / "log")),
                        progress=False, reports=False)
     assert (result.total, result.ran) == (12, 12) and len(result.failures) == 1
     assert result.failures[0]["shard"] == "step-000200 (all shards)"
@@ -321,7 +322,7 @@ def test_ctrl_c_leaves_only_complete_shards(series, tmp_path, monkeypatch):
     spec = _fake_spec(series)
     stop = "step-000100 kv layers 1-1"  # the 5th shard in plan order
     with pytest.raises(KeyboardInterrupt):
-        run_batch(spec, out, shard_fn=FakeScan(str(log), interrupt_on=stop), progress=False, reports=False)
+        run_batch(spec, out, finish=False, shard_fn=FakeScan(str(log), interrupt_on=stop), progress=False, reports=False)
     shards = plan_shards(spec, out)
     done = [s for s in shards if read_marker(out, s) is not None]
     assert [s.label for s in done] == [s.label for s in shards[:4]]
@@ -341,12 +342,12 @@ def test_ctrl_c_leaves_only_complete_shards(series, tmp_path, monkeypatch):
 
     monkeypatch.setattr(pl.DataFrame, "write_parquet", interrupted_write)
     with pytest.raises(KeyboardInterrupt):
-        run_batch(spec, out, shard_fn=FakeScan(str(log)), progress=False, reports=False)
+        run_batch(spec, out, finish=False, shard_fn=FakeScan(str(log)), progress=False, reports=False)
     monkeypatch.undo()
     assert sum(read_marker(out, s) is not None for s in shards) == 5
     assert not [p for p in out.rglob("*.tmp")]
     before = len(_executed(log))
-    result = run_batch(spec, out, shard_fn=FakeScan(str(log)), progress=False, reports=False)
+    result = run_batch(spec, out, finish=False, shard_fn=FakeScan(str(log)), progress=False, reports=False)
     assert (result.ran, result.skipped) == (13, 5) and len(_executed(log)) - before == 13
 
 
@@ -424,7 +425,7 @@ def test_ray_worker_killed_and_shard_exception(ray_cluster, series, tmp_path):
     killer.start()
     executor = RayExecutor(max_retries=1, workers=2)
     try:
-        result = run_batch(spec, out, executor, shard_fn=fake, progress=False, reports=False)
+        result = run_batch(spec, out, executor, finish=False, shard_fn=fake, progress=False, reports=False)
     finally:
         done.set()
         killer.join(5)
@@ -444,7 +445,7 @@ def test_ray_worker_killed_and_shard_exception(ray_cluster, series, tmp_path):
     assert set(heads.select(keys).iter_rows()) == expected
     # a rerun executes exactly the two missing shards
     before = len(_executed(log))
-    rerun = run_batch(spec, out, RayExecutor(max_retries=1), shard_fn=FakeScan(str(log)), progress=False,
+    rerun = run_batch(spec, out, RayExecutor(max_retries=1), finish=False, shard_fn=FakeScan(str(log)), progress=False,
                       reports=False)
     assert (rerun.ran, rerun.skipped, rerun.failures) == (2, 16, [])
     assert sorted(_executed(log)[before:]) == sorted([by_label[raising].key, by_label[dying].key])

