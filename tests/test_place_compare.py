@@ -18,10 +18,15 @@ from pipelines.cli import main
 
 
 def _pairs(verified: bool, p: float = 0.9) -> pl.DataFrame:
+    """One pair row; ``verified`` sets its controls (40, all weaker, or p = 0.5), ``p`` >= 0.5 gives both heads
+    their G&A role by the evidence standards, below it they are important heads without one."""
+    roles = ("gather", "aggregate") if p >= 0.5 else ("other_important", "other_important")
     return pl.DataFrame([{"task": "mc", "rank": 1, "gather_layer": 2, "gather_head": 1, "gather_kind": "attn",
                           "aggregate_layer": 3, "aggregate_head": 2, "aggregate_kind": "attn", "score": 0.9,
-                          "p_gather": p, "p_aggregate": p,
-                          "joint_effect": -3.5, "control_mean": -0.1, "verified": verified}])
+                          "p_gather": p, "p_aggregate": p, "gather_role": roles[0], "aggregate_role": roles[1],
+                          "joint_effect": -3.5, "joint_effect_lo": -3.8, "joint_effect_hi": -3.2,
+                          "control_mean": -0.1, "control_q05": -0.4, "control_n": 40,
+                          "control_p": 1 / 41 if verified else 0.5, "verified": verified}])
 
 
 def test_layers_ranked_by_g_and_a_evidence_with_reasons():
@@ -47,13 +52,14 @@ def test_verified_pair_raises_its_heads_and_is_cited():
     assert (without.layer, without.head) == (5, 0)
     with_pair = place(heads, synthetic_summary("m"), _pairs(True), budget=2, unit="head")
     assert {(c.layer, c.head) for c in with_pair} == {(3, 2), (2, 1)}
-    assert "confident pair L2H1 → L3H2 (joint ablation -3.5" in with_pair[0].why
+    assert "verified G&A pair L2H1 → L3H2 (joint drop 3.5 vs control mean 0.1, p = 0.024, n = 40 controls)" \
+        in with_pair[0].why
     # verified, but neither head looks like its role: half the bonus, and the reason says so
     weak = {(c.layer, c.head): c for c in place(heads, synthetic_summary("m"), _pairs(True, p=0.1), budget=8,
                                                 unit="head")}
     strong = {(c.layer, c.head): c for c in with_pair}
     assert weak[3, 2].score == pytest.approx(strong[3, 2].score - 0.25)
-    assert "verified (heads not G&A-like) pair L2H1 → L3H2" in weak[3, 2].why
+    assert "pair L2H1 → L3H2 beats the controls, but its heads are not G&A by the evidence standards" in weak[3, 2].why
 
 
 def test_ssm_heads_get_insert_attention_and_budgets():

@@ -26,20 +26,23 @@ For one task's batch and head table:
    the verified top ``k`` with one gather head (the hybrid toy's true gather head came 7th behind one
    layer-0 SSM head paired with each of five aggregate heads; it now comes 2nd and is verified).
 3. **Verification** of the top ``k``: the joint ablation (both heads zeroed at all positions, through the
-   ablation engine) against a control of random pairs from the same two layers, same kinds, neither head
-   a candidate of the pair (all such pairs when there are at most ``control_draws``, else that many drawn
-   without replacement): the joint effect with its bootstrap interval over prompts, the control's mean
-   and 5–95% range, and ``control_p`` = (1 + #controls at least as harmful) / (1 + #controls). A pair is
-   ``verified`` when its joint effect's upper bound lies below the control's 5th percentile (and the
-   control has at least 3 pairs; otherwise ``verified`` is null: not testable). A pair is ``confident``
-   (the only kind a report calls "G&A pair found") when it is verified *and* both heads look like their
-   roles. Where the evidence stage ran, its roles decide: ``gather`` and ``aggregate`` (pattern and effect
-   at the right positions, the aggregate head reading the gather head). Without it, the classifier does:
-   P(gather) and P(aggregate) >= ``CONFIDENT_P``. The evidence overrules the classifier both ways: on
-   SmolLM2 it found gather heads the classifier gave P < 0.02; on a toy Mamba-2 the classifier gave
-   P >= 0.5 to two SSM heads that matter at the right positions but whose implicit attention is not
-   selective, and the report called them a G&A pair under a "no G&A" verdict. Two important heads that
-   are not G&A heads also beat random pairs under joint ablation, so verification alone is no G&A evidence.
+   ablation engine) against a control of random pairs of the same kinds, neither head one of the pair's,
+   the control's gather layer before its aggregate layer: from the pair's own two layers, and where those
+   hold fewer than ``MIN_CONTROLS`` (19) such pairs, from neighbouring layer pairs too (both layers within
+   ±1 of the pair's, then ±2, ...; the ``control_layers`` column says how far). Up to ``control_draws``
+   controls, nearest layers first, drawn (seeded) without replacement within each distance. Reported: the
+   joint effect with its bootstrap interval over prompts, the control's mean and 5–95% range,
+   ``control_n`` and ``control_p`` = (1 + #controls at least as harmful) / (1 + #controls). ``verified``
+   is :func:`discovery.rank.verdict.verified_flag` (the one rule, :func:`~discovery.rank.verdict.pair_status`):
+   True iff n >= 19, p <= 0.05 and the joint effect's upper bound lies below the control's 5th percentile;
+   null (not testable) when fewer than 19 controls exist; False otherwise. With 9 controls the smallest
+   possible p is 0.1, which is why 3 controls (the old minimum) never sufficed.
+   Whether a verified pair is a *G&A* pair is the verdict's call (:mod:`discovery.rank.verdict`): both heads
+   must have their role by the evidence standards (``gather_role`` ``gather``, ``aggregate_role``
+   ``aggregate``). Two important heads that are not G&A heads also beat random pairs under joint ablation,
+   so verification alone is no G&A evidence; and the classifier alone is not either (on a toy Mamba-2 it
+   gave P >= 0.5 to two SSM heads that matter at the right positions but whose implicit attention is not
+   selective, and the report called them a G&A pair under a "no G&A" verdict).
 
 Effects are in logit-difference units (ablated − clean; negative = the pair helps).
 """
@@ -59,6 +62,7 @@ from discovery.heads import HeadId
 from discovery.measure.ablation import Ablation, AblationEngine, mediated_share
 from discovery.measure.metrics import selection
 from discovery.rank.classifier import attach_clean, head_features, load_classifier, spread_by_gather
+from discovery.rank.verdict import MIN_CONTROLS, is_ga_pair, verified_flag
 from discovery.stats import bootstrap_ci
 
 PAIR_COLUMNS = (
@@ -66,10 +70,8 @@ PAIR_COLUMNS = (
     "aggregate_kind", "p_gather", "p_aggregate", "gather_role", "aggregate_role", "select_clean", "select_ablated", "select_drop", "focus_clean",
     "focus_ablated", "focus_drop", "effect_gather", "effect_aggregate", "mediated", "score",
     "joint_effect", "joint_effect_lo", "joint_effect_hi", "joint_acc", "control_mean", "control_q05",
-    "control_q95", "control_n", "control_p", "verified",
+    "control_q95", "control_n", "control_p", "control_layers", "verified",
 )
-MIN_CONTROLS = 3
-CONFIDENT_P = 0.5  # both heads' role probabilities for a verified pair to count as confident
 MIN_MEDIATED_COST = 0.05  # share of the clean logit difference a gather head must cost for ``mediated``
 
 
@@ -212,17 +214,53 @@ def rank_pairs(lm: Any, batch: Any, heads_frame: pl.DataFrame, k: int = 3, *, su
     return table, fields
 
 
+def control_pool(inv: Any, g: HeadId, a: HeadId, draws: int, seed: int = 0
+                 ) -> tuple[list[tuple[HeadId, HeadId]], int]:
+    """The control pairs for pair ``g`` → ``a`` and how far (in layers) the pool was widened: pairs (x, y) of
+    the same kinds, x's layer before y's, neither head ``g`` or ``a``; first from the pair's own layers, then,
+    while fewer than ``MIN_CONTROLS`` exist, from layers within ±1, ±2, ... of each. At most ``draws``,
+    nearest distance first, each distance's pairs in a seeded random order."""
+    def heads(layer: int, kind: str) -> list[HeadId]:
+        if not 0 <= layer < inv.n_layers:
+            return []
+        try:
+            return inv.group(layer, kind).heads()
+        except KeyError:  # a hybrid's layer without heads of this kind
+            return []
+
+    rng = random.Random(f"{seed}:{g}:{a}")
+    chosen: list[tuple[HeadId, HeadId]] = []
+    seen: set[tuple[int, int]] = set()
+    distance = 0
+    for distance in range(inv.n_layers):
+        ring = []
+        for lg in range(g.layer - distance, g.layer + distance + 1):
+            for la in range(a.layer - distance, a.layer + distance + 1):
+                if lg >= la or (lg, la) in seen:
+                    continue
+                seen.add((lg, la))
+                ring += [(x, y) for x in heads(lg, g.kind) for y in heads(la, a.kind)
+                         if x not in (g, a) and y not in (g, a)]
+        rng.shuffle(ring)
+        chosen += ring[:max(0, draws - len(chosen))]
+        if len(chosen) >= min(MIN_CONTROLS, draws):
+            break
+    return chosen, distance
+
+
+def _layers_text(distance: int) -> str:
+    return "same layers" if distance == 0 else f"±{distance} layer" + ("s" if distance > 1 else "")
+
+
 def _verify(engine: AblationEngine, rows: list[dict[str, Any]], candidates: list[tuple[HeadId, HeadId]],
             joint: torch.Tensor, joint_acc: torch.Tensor, draws: int, bootstrap: int, seed: int) -> None:
     """Fill the joint-effect and control columns of ``rows`` (the top pairs) in place."""
-    inv = engine.inventory
     controls: list[list[tuple[HeadId, HeadId]]] = []
     for r in rows:
         g, a = candidates[r["_pair"]]
-        pool = [(x, y) for x in inv.group(g.layer, g.kind).heads() for y in inv.group(a.layer, a.kind).heads()
-                if x not in (g, a) and y not in (g, a) and x != y]
-        rng = random.Random(f"{seed}:{g}:{a}")
-        controls.append(pool if len(pool) <= draws else rng.sample(pool, draws))
+        pool, distance = control_pool(engine.inventory, g, a, draws, seed)
+        controls.append(pool)
+        r["control_layers"] = _layers_text(distance)
     flat = [Ablation(pair, label="control") for pool in controls for pair in pool]
     control_ld = engine.effects(flat)["logit_diff"].double().mean(-1) if flat else torch.empty(0)  # [draw]
     start = 0
@@ -234,13 +272,12 @@ def _verify(engine: AblationEngine, rows: list[dict[str, Any]], candidates: list
         values = control_ld[start:start + len(pool)].numpy()
         start += len(pool)
         if len(values) == 0:
-            r.update(control_mean=None, control_q05=None, control_q95=None, control_n=0, control_p=None,
-                     verified=None)
-            continue
-        q05, q95 = (float(v) for v in np.quantile(values, [0.05, 0.95]))
-        r.update(control_mean=float(values.mean()), control_q05=q05, control_q95=q95, control_n=len(values),
-                 control_p=float((1 + (values <= float(mean)).sum()) / (1 + len(values))),
-                 verified=bool(float(hi) < q05) if len(values) >= MIN_CONTROLS else None)
+            r.update(control_mean=None, control_q05=None, control_q95=None, control_n=0, control_p=None)
+        else:
+            q05, q95 = (float(v) for v in np.quantile(values, [0.05, 0.95]))
+            r.update(control_mean=float(values.mean()), control_q05=q05, control_q95=q95, control_n=len(values),
+                     control_p=float((1 + (values <= float(mean)).sum()) / (1 + len(values))))
+        r["verified"] = verified_flag(r)
 
 
 def _role_list(heads: list[HeadId], p: np.ndarray, task: str, threshold: float = 0.5, limit: int = 20
@@ -258,6 +295,7 @@ def _pair_summary(r: Mapping[str, Any]) -> dict[str, Any]:
         "joint_effect": r.get("joint_effect"), "joint_effect_lo": r.get("joint_effect_lo"),
         "joint_effect_hi": r.get("joint_effect_hi"), "control_effect": r.get("control_mean"),
         "control_q05": r.get("control_q05"), "control_q95": r.get("control_q95"), "control_p": r.get("control_p"),
+        "control_n": r.get("control_n"), "control_layers": r.get("control_layers"),
         "verified": r.get("verified"),
         "gather_role": r.get("gather_role"), "aggregate_role": r.get("aggregate_role"),
         "confident": is_confident(r),
@@ -265,14 +303,10 @@ def _pair_summary(r: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def is_confident(r: Mapping[str, Any]) -> bool:
-    """Verified against random same-layer pairs, and both heads look like their roles: by the evidence
-    stage's roles where it ran, else by the classifier's probabilities (module docstring)."""
-    if r.get("verified") is not True:
-        return False
-    roles = (r.get("gather_role"), r.get("aggregate_role"))
-    if any(role is not None for role in roles):
-        return roles == ("gather", "aggregate")
-    return (r.get("p_gather") or 0.0) >= CONFIDENT_P and (r.get("p_aggregate") or 0.0) >= CONFIDENT_P
+    """A G&A pair by the verdict's rules (:func:`discovery.rank.verdict.is_ga_pair`: verified against at
+    least 19 controls at p <= 0.05, both heads G&A by the evidence standards); kept for the ``confident``
+    field of ``top_pairs`` and its readers."""
+    return is_ga_pair(r)
 
 
 def merge_fields(per_task: Sequence[Mapping[str, Any]], k: int = 3) -> dict[str, Any]:

@@ -9,9 +9,11 @@ teacher's retrieval performance. So a head's placement score combines:
   pattern × effect evidence ``gather_x_effect`` / ``agg_x_effect``);
 - its causal importance: the larger of its all-position and query-position drop in logit difference,
   relative to the clean value, clipped to [0, 1];
-- membership of a ranked G&A pair: +0.25 for a top pair, +0.5 for a confident one (verified by joint
-  ablation *and* both heads look like their roles: a verified pair of important non-G&A heads gets
-  +0.25 only; on the single-word fixture the larger bonus put attention on the wrong layer);
+- membership of a ranked G&A pair: +0.25 for a top pair, +0.5 for a pair the verdict
+  (:func:`discovery.rank.verdict.decide`) calls verified (it beats at least 19 random controls at
+  p <= 0.05 *and* both heads have their roles by the evidence standards: a pair of important non-G&A
+  heads that beats the controls gets +0.25 only; on the single-word fixture the larger bonus put
+  attention on the wrong layer);
 - the evidence stage's role when the scan has one (``evidence.parquet``): a causally confirmed gather or
   aggregate head counts as role evidence ≥ 0.9, a decoy's role evidence is cut to a tenth.
 
@@ -31,7 +33,7 @@ import numpy as np
 import polars as pl
 
 from discovery.errors import GascanError
-from discovery.rank.pairs import is_confident
+from discovery.rank.verdict import decide, pair_call
 
 UNITS = ("layer", "head")
 
@@ -67,24 +69,32 @@ def default_budget(summary: Mapping[str, Any], unit: str) -> int:
     return max(2, math.ceil(0.02 * total))
 
 
-def _pair_members(pairs: pl.DataFrame | None) -> dict[tuple[int, int, str], tuple[float, str]]:
-    """Head -> (bonus, reason) for heads in ranked pairs (best pair first)."""
+def _pair_members(pairs: pl.DataFrame | None, summary: Mapping[str, Any] | None = None
+                  ) -> dict[tuple[int, int, str], tuple[float, str]]:
+    """Head -> (bonus, reason) for heads in ranked pairs (best pair first); the larger bonus goes to the
+    verdict's verified pairs only."""
     out: dict[tuple[int, int, str], tuple[float, str]] = {}
     if pairs is None or pairs.height == 0:
         return out
     order = pairs.sort("rank") if "rank" in pairs.columns else pairs
-    for r in order.head(10).iter_rows(named=True):
-        g = (r["gather_layer"], r["gather_head"], r["gather_kind"])
-        a = (r["aggregate_layer"], r["aggregate_head"], r["aggregate_kind"])
-        confident = is_confident(r)
-        bonus = 0.5 if confident else 0.25
-        gname = f"L{g[0]}{'H' if g[2] == 'attn' else 'S'}{g[1]}"
-        aname = f"L{a[0]}{'H' if a[2] == 'attn' else 'S'}{a[1]}"
-        evidence = (f"joint ablation {r['joint_effect']:.3g} vs random same-layer pairs {r['control_mean']:.3g}"
-                    if r.get("joint_effect") is not None and r.get("control_mean") is not None else
-                    f"pair score {r.get('score', 0.0):.3g}")
-        kind = "confident" if confident else "verified (heads not G&A-like)" if r.get("verified") else "ranked"
-        text = f"{kind} pair {gname} → {aname} ({evidence})"
+    rows = order.to_dicts()
+    verdict = decide(summary or {}, rows)
+    verified = {(p.task, p.gather, p.aggregate) for t in verdict.tasks if t.outcome == "verified"
+                for p in t.verified_pairs}
+    for r in rows[:10]:
+        call = pair_call(r)
+        g = (call.gather.layer, call.gather.head, call.gather.kind)
+        a = (call.aggregate.layer, call.aggregate.head, call.aggregate.kind)
+        is_verified = (call.task, call.gather, call.aggregate) in verified
+        bonus = 0.5 if is_verified else 0.25
+        evidence = (f"joint drop {call.joint_drop:.3g} vs control mean {call.control_mean_drop:.3g}"
+                    + (f", p = {call.p_value:.2g}, n = {call.control_n} controls" if call.p_value is not None else "")
+                    if call.joint_drop is not None and call.control_mean_drop is not None else
+                    f"pair score {r.get('score') or 0.0:.3g}")
+        pair = f"{call.gather.name} → {call.aggregate.name}"
+        text = (f"verified G&A pair {pair} ({evidence})" if is_verified else
+                f"pair {pair} beats the controls, but its heads are not G&A by the evidence standards ({evidence})"
+                if call.status == "verified" else f"ranked pair {pair} ({evidence})")
         for head in (g, a):
             if head not in out or out[head][0] < bonus:
                 out[head] = (bonus, text)
@@ -107,7 +117,7 @@ def head_scores(heads: pl.DataFrame, summary: Mapping[str, Any] | None = None,
     drop_all = feats["drop_all"].fill_null(np.nan).to_numpy()
     drop_query = feats["drop_query"].fill_null(np.nan).to_numpy()
     importance = np.clip(np.nan_to_num(np.fmax(drop_all, drop_query), nan=0.0), 0.0, 1.0)
-    members = _pair_members(pairs)
+    members = _pair_members(pairs, summary)
     evidence_roles = heads["role"].to_list() if "role" in heads.columns else [None] * heads.height
     rows = []
     for i, r in enumerate(heads.select("task", "layer", "head", "kind").iter_rows(named=True)):
