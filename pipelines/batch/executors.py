@@ -31,7 +31,9 @@ from pipelines.options import LoadOptions
 
 
 class Executor(Protocol):
-    """Runs shards and yields their outcomes in completion order."""
+    """Runs shards and yields their outcomes in completion order. ``shards`` may be a list that the caller
+    appends to while it reads the outcomes (a checkpoint's finish shard once its sweeps are done): the
+    executor runs what is appended too, on the workers it already has."""
 
     def run(self, shards: Sequence[Shard], shard_fn: ShardFn, load: LoadOptions) -> Iterator[ShardOutcome]: ...
 
@@ -55,7 +57,7 @@ class SerialExecutor:
         self.loads = 0
 
     def run(self, shards: Sequence[Shard], shard_fn: ShardFn, load: LoadOptions) -> Iterator[ShardOutcome]:
-        cache = ModelCache(load, self.cache_size)
+        cache = ModelCache(load, self.cache_size)  # a list grows while it is read: follow-ups run here too
         previous = None
         if self.threads is not None and shards:
             import torch
@@ -63,7 +65,12 @@ class SerialExecutor:
             previous = torch.get_num_threads()
             torch.set_num_threads(self.threads)
         try:
-            for shard in shards:
+            pending = shards if isinstance(shards, list) else list(shards)  # the driver may append follow-ups
+            held: str | None = None
+            while pending:
+                index = next((i for i, s in enumerate(pending) if s.checkpoint.name == held), 0)
+                shard = pending.pop(index)  # the loaded model's shards first, as on a Ray actor
+                held = shard.checkpoint.name
                 yield execute_shard(shard_fn, shard, cache)
         finally:
             self.loads += cache.loads
@@ -189,7 +196,7 @@ class RayExecutor:
             return actor_class.remote(shard_fn, load, threads)
 
         slots = {i: _Slot(new_actor()) for i in range(n_workers)}
-        pending: list[Shard] = list(shards)
+        pending = shards if isinstance(shards, list) else list(shards)  # the driver may append follow-ups
         charged: dict[str, int] = {}
         in_flight: dict[Any, int] = {}
         try:

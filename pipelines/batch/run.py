@@ -74,41 +74,50 @@ def run_batch(spec: BatchSpec, out: str | os.PathLike, executor=None, *, shard_f
         failures: list[dict[str, Any]] = []
         shards = plan_shards(spec, out_dir, errors=failures)
         clean_temp_files(out_dir, shards)
-        todo = [s for s in shards if read_marker(out_dir, s) is None]
-        total = len(shards) + (len({s.checkpoint.name for s in shards}) if finish else 0)
-        skipped = len(shards) - len(todo)
+        by_checkpoint = _by_checkpoint(shards)
+        queue = [s for s in shards if read_marker(out_dir, s) is None]
+        total = len(shards) + (len(by_checkpoint) if finish else 0)
+        skipped = len(shards) - len(queue)
+        outstanding = {name: sum(1 for s in queue if s.checkpoint.name == name) for name in by_checkpoint}
+
+        def follow_up(name: str) -> None:
+            """Queue a checkpoint's finish shard once its sweep shards are all complete."""
+            nonlocal skipped
+            shard = _finish_shard(out_dir, spec, by_checkpoint[name]) if finish else None
+            if shard is None:
+                return
+            if read_marker(out_dir, shard) is None:
+                queue.append(shard)
+            else:
+                skipped += 1
+                tick(True)
+
+        ran = 0
         skip_files = () if reports else REPORT_FILES
         with _progress_bar(progress, console, total, skipped) as tick:
-            ran = _execute(executor, todo, shard_fn, spec, out_dir, failures, tick, skip_files)
-            if finish:
-                finishes = [f for f in (_finish_shard(out_dir, spec, own) for own in _by_checkpoint(shards).values())
-                            if f is not None]
-                todo = [f for f in finishes if read_marker(out_dir, f) is None]
-                skipped += len(finishes) - len(todo)
-                tick(True, len(finishes) - len(todo))
-                ran += _execute(executor, todo, shard_fn, spec, out_dir, failures, tick, skip_files)
+            for name, count in outstanding.items():
+                if count == 0:
+                    follow_up(name)
+            # the executor reads ``queue`` as it goes: a finish shard appended here runs on the same workers
+            with contextlib.closing(executor.run(queue, shard_fn, spec.load)) as outcomes:
+                for outcome in outcomes:
+                    shard = outcome.shard
+                    if outcome.ok:
+                        commit_shard(out_dir, outcome, skip_files=skip_files)
+                        ran += 1
+                    else:
+                        failures.append({"shard": shard.label, "key": shard.key, "checkpoint": shard.checkpoint.name,
+                                         "task": shard.task, "layers": list(shard.layers) if shard.layers else None,
+                                         "attempts": outcome.attempts, "crashed": outcome.crashed,
+                                         "reason": outcome.error})
+                    tick(outcome.ok)
+                    if shard.stage == "sweep":
+                        outstanding[shard.checkpoint.name] -= 1
+                        if outstanding[shard.checkpoint.name] == 0:
+                            follow_up(shard.checkpoint.name)
         summary = merge_batch(spec, out_dir, shards, failures=failures, executor=executor.describe(),
-                              ran=ran, skipped=skipped, started=started)
+                              ran=ran, skipped=skipped, started=started, total=total)
     return BatchResult(out_dir, total, ran, skipped, failures, summary)
-
-
-def _execute(executor, todo: list[Shard], shard_fn: ShardFn, spec: BatchSpec, out: Path,
-             failures: list[dict[str, Any]], tick: Callable[..., None], skip_files: Sequence[str]) -> int:
-    """Run ``todo`` on the executor, commit each success as it arrives, record each failure."""
-    ran = 0
-    with contextlib.closing(executor.run(todo, shard_fn, spec.load)) as outcomes:
-        for outcome in outcomes:
-            if outcome.ok:
-                commit_shard(out, outcome, skip_files=skip_files)
-                ran += 1
-            else:
-                failures.append({"shard": outcome.shard.label, "key": outcome.shard.key,
-                                 "checkpoint": outcome.shard.checkpoint.name, "task": outcome.shard.task,
-                                 "layers": list(outcome.shard.layers) if outcome.shard.layers else None,
-                                 "attempts": outcome.attempts, "crashed": outcome.crashed,
-                                 "reason": outcome.error})
-            tick(outcome.ok)
-    return ran
 
 
 def _by_checkpoint(shards: Sequence[Shard]) -> dict[str, list[Shard]]:
@@ -217,9 +226,11 @@ def _finished(directory: Path, summary: dict[str, Any]) -> bool:
 
 
 def merge_batch(spec: BatchSpec, out: Path, shards: list[Shard], *, failures: list[dict[str, Any]],
-                executor: dict[str, Any], ran: int, skipped: int, started: float,
-                reports: bool = True) -> dict[str, Any]:
-    """Per-checkpoint tables and summaries, the merged table, the series and ``batch_summary.json``."""
+                executor: dict[str, Any], ran: int, skipped: int, started: float, total: int | None = None
+                ) -> dict[str, Any]:
+    """The merged table, the series and ``batch_summary.json``; a checkpoint that did not reach its
+    finish stage (a shard failed, or finish was off) gets its sweep tables as heads.parquet/summary.json.
+    Shard counts (``total``, ``done``) include the finish shards."""
     from discovery.artifacts import write_scan
     from discovery.io import write_json, write_parquet
 
@@ -264,8 +275,9 @@ def merge_batch(spec: BatchSpec, out: Path, shards: list[Shard], *, failures: li
         "name": spec.name, "source": spec.source, "gascan_version": gascan_version(), "executor": executor,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
         "wall_seconds": round(time.time() - started, 2),
-        "shards": {"total": len(shards), "ran": ran, "skipped": skipped, "failed": len(failures),
-                   "done": sum(c["shards_done"] for c in checkpoints)},
+        "shards": {"total": len(shards) if total is None else total, "ran": ran, "skipped": skipped,
+                   "failed": len(failures),
+                   "done": sum(c["shards_done"] + bool(c.get("finished")) for c in checkpoints)},
         "tasks": spec.tasks, "options": spec.scan.as_dict() | {
             "layers_per_shard": spec.layers_per_shard}, "load": asdict(spec.load),
         "failures": failures, "checkpoints": checkpoints, "heads_rows": rows, "series": series,
