@@ -121,6 +121,12 @@ def drop_ci(row: Mapping[str, Any], column: str, digits: int = 3) -> str:
     return text
 
 
+def ci_only(row: Mapping[str, Any], column: str, digits: int = 3) -> str:
+    """Only the 95% interval of :func:`drop_ci`: ``[+0.010, +0.200]``."""
+    lo, hi = _finite(row.get(f"{column}_hi")), _finite(row.get(f"{column}_lo"))
+    return "–" if lo is None or hi is None else f"[{signed(drop(lo), digits)}, {signed(drop(hi), digits)}]"
+
+
 def drop_pct(delta: Any, clean: Any, digits: int = 3) -> str:
     """A drop with its share of the clean logit difference, both with the same sign:
     ``+0.110 (+34% of clean)``."""

@@ -11,8 +11,8 @@ import polars as pl
 
 from discovery.artifacts import Scan
 from discovery.rank.verdict import Verdict, drop
-from discovery.report.common import Section, Table, drop_ci, drop_pct, fmt, head_name, signed
-from discovery.report.first_screen import ROLE_ORDER, head_roles
+from discovery.report.common import Section, Table, ci_only, drop_ci, drop_pct, fmt, head_name, signed
+from discovery.report.first_screen import OUTCOME_WORDS, ROLE_ORDER, head_roles
 
 MAX_LISTED = 10  # long head lists: the first ten, then "and N more"
 MAX_ROWS = 20
@@ -32,7 +32,8 @@ def verdict_section(scan: Scan, verdict: Verdict | None, note: str) -> Section:
     if verdict is None:
         sec.paragraphs.append(note.capitalize() + ".")
     for t in (verdict.tasks if verdict else ()):
-        sec.paragraphs.append(f"{t.task}: outcome {t.outcome}, confidence {t.confidence}. {t.reason}")
+        sec.paragraphs.append(f"{t.task}: {OUTCOME_WORDS.get(t.outcome, t.outcome)}, confidence {t.confidence}. "
+                              f"{t.reason}")
     status = {(p.task, p.rank): p for t in (verdict.tasks if verdict else ()) for p in t.pairs}
     pairs = scan.pairs
     if pairs is None or pairs.height == 0:
@@ -145,7 +146,7 @@ def top_heads_section(scan: Scan, heads: pl.DataFrame, k: int = MAX_LISTED) -> S
         clean = scan.clean(task).get("logit_diff")
         best = frame.filter(pl.col(column).is_not_null()).sort(column).head(k)
         rows = [[task, head_name(r["layer"], r["head"], r["kind"]), drop_pct(r.get("d_ld_all"), clean),
-                 drop_ci(r, "d_ld_all"), drop_ci(r, "d_ld_query"), signed(drop(r.get("atp_ld"))),
+                 ci_only(r, "d_ld_all"), drop_ci(r, "d_ld_query"), signed(drop(r.get("atp_ld"))),
                  r.get("gather_score"), r.get("agg_select"), r.get("selectivity"), r.get("p_gather"),
                  r.get("p_aggregate"), (r.get("role") or "–").replace("_", " ")] for r in best.iter_rows(named=True)]
         sec.tables.append(Table(["task", "head", "drop, all positions", "[95% CI]", "drop, query [95% CI]",
