@@ -110,7 +110,7 @@ def test_every_string_from_models_and_tokens_is_escaped(tmp_path):
     md = (out / "report.md").read_text()
     assert "<script" not in html_text.lower()
     # Markdown: no raw HTML (every < is backslash-escaped outside the fenced token list) and no entities
-    prose = re.sub(r"```+text\n.*?\n```+", "", md, flags=re.S)
+    prose = re.sub(r"```+text\n.*?\n```+", "", md, flags=re.DOTALL)
     assert not re.search(r"(?<!\\)<", prose)
     assert "&lt;" not in md and "&gt;" not in md
     escaped = "&lt;script&gt;alert(1)&lt;/script&gt;"
@@ -180,7 +180,7 @@ def _first_screen_md(md: str) -> str:
 def test_the_report_renders_the_stored_verdict(toy_report):
     out, verdict = toy_report
     html_text, md = (out / "report.html").read_text(), (out / "report.md").read_text()
-    verdict_html = re.search(r'<section id="verdict".*?</section>', html_text, re.S).group(0)
+    verdict_html = re.search(r'<section id="verdict".*?</section>', html_text, re.DOTALL).group(0)
     assert "Stand-in: gather L1H0 -&gt; aggregate L3H1 &lt;|bos|&gt; &amp; co." in verdict_html
     assert f"confidence: {verdict.tasks[0].confidence}" in verdict_html
     assert r"Stand-in: gather L1H0 -\> aggregate L3H1 \<\|bos\|\> & co." in _first_screen_md(md)
@@ -208,8 +208,8 @@ def test_markdown_has_no_html_entities_and_percentages_keep_their_sign(toy_repor
 def test_the_first_screen_is_short(toy_report):
     out, _ = toy_report
     html_text, md = (out / "report.html").read_text(), (out / "report.md").read_text()
-    ranked = re.search(r'<table id="ranked">(.*?)</table>', html_text, re.S).group(1)
-    rows = re.findall(r"<tr>(.*?)</tr>", ranked, re.S)
+    ranked = re.search(r'<table id="ranked">(.*?)</table>', html_text, re.DOTALL).group(1)
+    rows = re.findall(r"<tr>(.*?)</tr>", ranked, re.DOTALL)
     assert 2 <= len(rows) <= 11  # header + at most 10 heads
     assert all(len(re.findall(r"<t[hd][ >]", r)) <= 7 for r in rows)
     first = _first_screen_md(md)

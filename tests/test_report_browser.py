@@ -69,8 +69,9 @@ def test_the_first_screen_fits_and_the_page_is_clean(reports):
             for html in reports:
                 page = browser.new_page(viewport=VIEWPORT)
                 errors: list[str] = []
-                page.on("console", lambda m: errors.append(f"console {m.type}: {m.text}") if m.type == "error" else None)
-                page.on("pageerror", lambda e: errors.append(f"page error: {e}"))
+                page.on("console", lambda m, errors=errors: errors.append(f"console {m.type}: {m.text}")
+                        if m.type == "error" else None)
+                page.on("pageerror", lambda e, errors=errors: errors.append(f"page error: {e}"))
                 page.goto(html.as_uri())
                 page.wait_for_load_state("load")
                 # the first screen, before any scrolling or opening

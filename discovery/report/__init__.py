@@ -23,10 +23,31 @@ from typing import Any
 
 from discovery.artifacts import read_scan
 from discovery.report.appendix import build_appendix
-from discovery.report.common import (Figure, Section, Table, _plt, _png, drop_ci, drop_pct, esc, fmt, head_name,
-                                     md_cell, md_esc, n_layers_of, scored_heads, signed)
-from discovery.report.example import (CHEAP_MODEL_BYTES, compute_example, example_for_report, load_example,
-                                      save_example, top_heads)
+from discovery.report.common import (
+    Figure,
+    Section,
+    Table,
+    _plt,
+    _png,
+    drop_ci,
+    drop_pct,
+    esc,
+    fmt,
+    head_name,
+    md_cell,
+    md_esc,
+    n_layers_of,
+    scored_heads,
+    signed,
+)
+from discovery.report.example import (
+    CHEAP_MODEL_BYTES,
+    compute_example,
+    example_for_report,
+    load_example,
+    save_example,
+    top_heads,
+)
 from discovery.report.first_screen import build_first_screen, scan_verdict
 from discovery.report.render import render_html, render_markdown
 

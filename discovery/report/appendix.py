@@ -10,10 +10,20 @@ from discovery.artifacts import Scan
 from discovery.rank.verdict import Verdict
 from discovery.report.common import Figure, Section, Table, drop_ci, head_name, show_token
 from discovery.report.example import example_for_report
-from discovery.report.figures import depth_profile_figure, heatmap_figure, minimal_depth_figure, pattern_figure
+from discovery.report.figures import (
+    depth_profile_figure,
+    heatmap_figure,
+    minimal_depth_figure,
+    pattern_figure,
+)
 from discovery.report.first_screen import head_roles
-from discovery.report.sections import (classifier_section, decoys_section, roles_section, top_heads_section,
-                                       verdict_section)
+from discovery.report.sections import (
+    classifier_section,
+    decoys_section,
+    roles_section,
+    top_heads_section,
+    verdict_section,
+)
 
 
 def clean_section(scan: Scan) -> Section:

@@ -32,8 +32,8 @@ def _md_figure(fig: Figure) -> list[str]:
 def render_markdown(first: FirstScreen, sections: Sequence[Section]) -> str:
     lines = [f"# {md_esc(first.title)}", "", md_esc(first.facts), ""]
     for v in first.verdicts:
-        lines += [f"**Verdict ({md_esc(v.task)}): {md_esc(v.words)}, confidence {md_esc(v.confidence)}.** "
-                  f"{md_esc(v.sentence)}", ""]
+        lines += [(f"**Verdict ({md_esc(v.task)}): {md_esc(v.words)}, confidence {md_esc(v.confidence)}.** "
+                   f"{md_esc(v.sentence)}"), ""]
     if not first.verdicts:
         lines += [f"**Verdict.** {md_esc(first.note or 'no verdict')}", ""]
     if first.figure is not None:
