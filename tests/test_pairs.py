@@ -81,7 +81,8 @@ def test_ranking_finds_the_planted_pair_first_and_verifies_it(planted):
     from discovery.report import write_report
 
     write_report(out, circuit.lm)
-    assert "G&amp;A pair found: gather L0H3 → aggregate L3H0" in (out / "report.html").read_text()
+    # the verdict sentence is decide()'s (discovery.rank.verdict); the report lists the pair first
+    assert "| 1 | L0H3 | L3H0 |" in (out / "report.md").read_text()
 
 
 def test_evidence_roles_outrank_classifier_probabilities_in_the_pair_score(planted):

@@ -38,9 +38,9 @@ def test_scan_then_report_with_pairs_names_the_planted_pair(tmp_path, capsys):
     pairs = pl.read_parquet(out / "pairs.parquet")
     assert pairs.sort("rank").row(0, named=True)["aggregate_layer"] == 2
     html = (out / "report.html").read_text()
-    assert "G&amp;A pair found: gather L1H0 → aggregate L2H3" in html
-    # the evidence verdict leads; roles, decoys and the minimal model are in the report
-    assert 'Verdict.</b> jsonl:' in html and "clean G&amp;A pair(s) found" in html
+    assert "| 1 | L1H0 | L2H3 |" in (out / "report.md").read_text()  # the top pair leads the pair table
+    # the verdict leads (its sentence is decide()'s); roles, decoys and the minimal model are in the report
+    assert '<section id="verdict"' in html
     assert "Roles by the evidence standards" in html and (out / "figures" / "minimal_model.png").is_file()
     decoys = {(d.layer, d.index) for d in circuit.decoys.values()}
     candidates = set(zip(pairs["gather_layer"], pairs["gather_head"])) | set(zip(pairs["aggregate_layer"],

@@ -48,13 +48,15 @@ def test_report_of_a_real_scan_has_every_part(tiny_scan):
     summary = json.loads((out / "summary.json").read_text())
     acc = summary["tasks"]["mc"]["clean"]["acc"]
     assert f"{acc:.3f}" in html_text and f"{acc:.3f}" in md
-    for title in ("Clean scores", "Top G&amp;A pairs", "Heads with the largest effects", "G&amp;A depth profile",
-                  "Layer × head maps", "Example attention patterns", "placement advice"):
-        assert title in html_text, title
+    for title in ("Clean scores", "How the verdict was decided", "Heads with the largest effects",
+                  "G&amp;A depth profile", "Layer × head maps", "Example attention patterns", "Where attention belongs"):
+        assert f"<summary>{title}" in html_text, title  # appendix sections are closed <details>
+    # no verdict stored and decide() unavailable in this install, or decided: either way a verdict element
+    assert 'id="verdict"' in html_text and "**Verdict" in md
     # figures: PNG files on disk, the same images embedded (self-contained: no external src)
     figures = sorted((out / "figures").glob("*.png"))
     names = {f.stem for f in figures}
-    assert {"depth_profile_0", "heatmap_0_attn", "example_patterns"} <= names
+    assert {"effect_map", "depth_profile_0", "heatmap_0_attn", "example_patterns"} <= names
     embedded = _images(html_text)
     assert len(embedded) == len(figures)
     assert all(img.startswith(PNG_MAGIC) for img in embedded)
@@ -107,10 +109,13 @@ def test_every_string_from_models_and_tokens_is_escaped(tmp_path):
     html_text = (out / "report.html").read_text()
     md = (out / "report.md").read_text()
     assert "<script" not in html_text.lower()
-    assert "<script" not in md.lower()
+    # Markdown: no raw HTML (every < is backslash-escaped outside the fenced token list) and no entities
+    prose = re.sub(r"```+text\n.*?\n```+", "", md, flags=re.DOTALL)
+    assert not re.search(r"(?<!\\)<", prose)
+    assert "&lt;" not in md and "&gt;" not in md
     escaped = "&lt;script&gt;alert(1)&lt;/script&gt;"
     assert html_text.count(escaped) >= 5  # title, header, task rows, example tokens, head names
-    assert escaped in md
+    assert r"\<script\>alert(1)\</script\>" in md
     # the token itself is shown in the example prompt's token list
     assert re.search(r"<pre>[^<]*" + re.escape(escaped), html_text)
     assert (out / "figures" / "example_patterns.png").read_bytes().startswith(PNG_MAGIC)
@@ -143,3 +148,79 @@ def test_report_errors_are_one_line(tmp_path, capsys):
     with pytest.raises(Exception) as info:
         read_scan(tmp_path / "bad")
     assert "cannot read the scan" in str(info.value)
+
+
+TOY = Path(__file__).resolve().parents[1] / "reports" / "toy-mc-transformer"
+PCT = re.compile(r"([+-]?\d+(?:\.\d+)?) \(([+-]?\d+)% of clean\)")
+
+
+@pytest.fixture(scope="module")
+def toy_report(tmp_path_factory):
+    """The committed toy scan's tables, copied, with a hand-built verdict (a stand-in for decide()) in
+    summary.json, and its report rebuilt from the tables alone."""
+    import shutil
+
+    from verdict_standin import standin_verdict
+
+    out = tmp_path_factory.mktemp("toy") / "scan"
+    shutil.copytree(TOY, out, ignore=shutil.ignore_patterns("report.*", "figures"))
+    summary = json.loads((out / "summary.json").read_text())
+    verdict = standin_verdict(summary, pl.read_parquet(out / "pairs.parquet").to_dicts(),
+                              sentence="Stand-in: gather L1H0 -> aggregate L3H1 <|bos|> & co.")
+    summary["verdict"] = verdict.as_dict()
+    (out / "summary.json").write_text(json.dumps(summary))
+    write_report(out)
+    return out, verdict
+
+
+def _first_screen_md(md: str) -> str:
+    return md.split("\n---\n")[0]
+
+
+def test_the_report_renders_the_stored_verdict(toy_report):
+    out, verdict = toy_report
+    html_text, md = (out / "report.html").read_text(), (out / "report.md").read_text()
+    verdict_html = re.search(r'<section id="verdict".*?</section>', html_text, re.DOTALL).group(0)
+    assert "Stand-in: gather L1H0 -&gt; aggregate L3H1 &lt;|bos|&gt; &amp; co." in verdict_html
+    assert f"confidence: {verdict.tasks[0].confidence}" in verdict_html
+    assert r"Stand-in: gather L1H0 -\> aggregate L3H1 \<\|bos\|\> & co." in _first_screen_md(md)
+    # the pair table's status column is the verdict's: every tested pair's status appears in its row
+    for call in verdict.tasks[0].pairs:
+        status = call.status.replace("_", " ")
+        assert re.search(rf"\| {call.rank} \| {call.gather.name} \| {call.aggregate.name} \|[^\n]*\| {status} \|", md)
+
+
+def test_markdown_has_no_html_entities_and_percentages_keep_their_sign(toy_report):
+    out, _ = toy_report
+    md = (out / "report.md").read_text()
+    for entity in ("&gt;", "&lt;", "&amp;"):
+        assert entity not in md
+    found = PCT.findall(md)
+    assert len(found) >= 5
+    for number, pct in found:
+        if float(number) != 0 and int(pct) != 0:
+            assert (float(number) > 0) == (int(pct) > 0), (number, pct)
+    assert not re.search(r"-\d+% cost|costs -\d", md)
+    # the G&A heads help: their drop is positive, never printed as a negative cost
+    assert re.search(r"\| L1H0 \| gather \| \+\d", md)
+
+
+def test_the_first_screen_is_short(toy_report):
+    out, _ = toy_report
+    html_text, md = (out / "report.html").read_text(), (out / "report.md").read_text()
+    ranked = re.search(r'<table id="ranked">(.*?)</table>', html_text, re.DOTALL).group(1)
+    rows = re.findall(r"<tr>(.*?)</tr>", ranked, re.DOTALL)
+    assert 2 <= len(rows) <= 11  # header + at most 10 heads
+    assert all(len(re.findall(r"<t[hd][ >]", r)) <= 7 for r in rows)
+    first = _first_screen_md(md)
+    table = [line for line in first.splitlines() if line.startswith("|") and not line.startswith("|---")]
+    assert 2 <= len(table) <= 11 and all(line.count(" | ") + 1 <= 7 for line in table)
+    assert first.count("![") == 1 and "figures/effect_map.png" in first  # one figure on the first screen
+    # the appendix is folded: every section after the first screen is a closed <details>
+    appendix = html_text.split("<h2>Appendix</h2>")[1]
+    assert appendix.count("<details>") >= 8 and "<details open" not in appendix
+    # long lists are cut: the toy's roles name at most ten heads per role
+    roles = md.split("## Roles by the evidence standards")[1].split("\n## ")[0]
+    for line in roles.splitlines():
+        if line.startswith("mc:") and "more; full list in evidence.parquet" in line:
+            assert line.count("L") <= 45

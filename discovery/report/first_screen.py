@@ -1,0 +1,158 @@
+"""What a reader sees first: one line of model facts, the verdict, the effect map and the ranked heads.
+
+The verdict is :class:`discovery.rank.verdict.Verdict`, read from ``summary.json``'s ``verdict`` field or
+decided by :func:`discovery.rank.verdict.decide`; the report only renders it (outcome, sentence,
+confidence, the heads it names) and never recomputes it.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import polars as pl
+
+from discovery.artifacts import Scan
+from discovery.rank.verdict import Verdict, decide, drop
+from discovery.report.common import Figure, Table, drop_ci, fmt, head_name, parse_head, signed
+from discovery.report.figures import effect_map_figure
+
+MAX_RANKED = 10
+OUTCOME_WORDS = {"verified": "G&A verified", "ga_like": "G&A-like, not verified", "none": "no G&A",
+                 "not_scored": "not scored"}
+ROLE_ORDER = {"gather": 0, "aggregate": 1, "decoy": 2, "other_important": 3}
+
+
+def scan_verdict(scan: Scan) -> tuple[Verdict | None, str]:
+    """The scan's verdict and, when there is none, why: ``summary["verdict"]`` when the scan stored one,
+    else :func:`decide` on the summary and the pair table."""
+    stored = scan.summary.get("verdict")
+    if isinstance(stored, Mapping):
+        return Verdict.from_dict(stored), ""
+    pairs = scan.pairs.to_dicts() if scan.pairs is not None else []
+    try:
+        return decide(scan.summary, pairs), ""
+    except NotImplementedError as err:  # an install whose decide() is not written yet: report without it
+        return None, f"no verdict: {err}"
+
+
+@dataclass
+class VerdictLine:
+    task: str
+    outcome: str  # OUTCOME_WORDS key
+    words: str  # the outcome in words
+    sentence: str
+    confidence: str
+
+
+@dataclass
+class FirstScreen:
+    title: str
+    facts: str
+    verdicts: list[VerdictLine] = field(default_factory=list)
+    note: str = ""  # when there is no verdict
+    figure: Figure | None = None
+    figure_note: str = ""
+    table: Table | None = None
+    table_note: str = ""
+
+
+def facts_line(scan: Scan) -> str:
+    """Model, architecture, size, and per task the clean accuracy and logit difference, in one line."""
+    s = scan.summary
+    n_heads = s.get("n_heads") or {}
+    heads = ", ".join(f"{v} {'attention' if k == 'attn' else 'SSM' if k == 'ssm' else k} heads"
+                      for k, v in n_heads.items() if v) or "? heads"
+    parts = [str(s.get("architecture", "?")), f"{s.get('n_layers', '?')} layers", heads]
+    for task in scan.tasks:
+        c = scan.clean(task)
+        chance = c.get("chance")
+        acc = f"accuracy {fmt(c.get('acc'), 2)}" + (f" (chance {fmt(chance, 2)})" if chance is not None else "")
+        parts.append(f"{task}: {acc}, clean logit diff {fmt(c.get('logit_diff'), 2)}")
+    if s.get("checkpoint"):
+        parts.append(f"checkpoint {str(s['checkpoint'])[:12]}")
+    return " · ".join(parts)
+
+
+def head_roles(verdict: Verdict | None, heads: pl.DataFrame) -> dict[tuple[str, int, int, str], str]:
+    """(task, layer, head, kind) -> role: the verdict's gather/aggregate/decoy heads, else the evidence
+    stage's ``role`` column."""
+    out: dict[tuple[str, int, int, str], str] = {}
+    if "role" in heads.columns:
+        for r in heads.select("task", "layer", "head", "kind", "role").iter_rows():
+            if r[4] and r[4] != "none":
+                out[r[:4]] = r[4]
+    for t in (verdict.tasks if verdict else ()):
+        for role, names in (("decoy", t.decoys), ("aggregate", t.aggregate_heads), ("gather", t.gather_heads)):
+            for name in names:
+                h = parse_head(name)
+                if h:
+                    out[(t.task, *h)] = role
+    return out
+
+
+def marks(verdict: Verdict | None, heads: pl.DataFrame) -> dict[str, list[tuple[int, int, str, str]]]:
+    """Per task the heads to mark on the effect map: the verdict's gather (G) and aggregate (A) heads (the
+    evidence roles when there is no verdict)."""
+    out: dict[str, list[tuple[int, int, str, str]]] = {}
+    for (task, layer, head, kind), role in head_roles(verdict, heads).items():
+        if role in ("gather", "aggregate"):
+            out.setdefault(task, []).append((layer, head, kind, "G" if role == "gather" else "A"))
+    return out
+
+
+def _pattern_metric(r: Mapping[str, Any], role: str | None) -> str:
+    g, a = r.get("gather_score"), r.get("agg_select")
+    if role == "gather" or (role != "aggregate" and g is not None and (a is None or g >= a)):
+        return f"gather {fmt(g, 2)}" if g is not None else "–"
+    return f"select {fmt(a, 2)}" if a is not None else "–"
+
+
+def ranked_table(scan: Scan, heads: pl.DataFrame, verdict: Verdict | None, k: int = MAX_RANKED) -> tuple[Table | None, str]:
+    """At most ``k`` heads by drop: every gather and aggregate head of the verdict (up to ``k``), the rest
+    filled with the largest drops."""
+    column = next((c for c in ("d_ld_all", "d_ld_query") if c in heads.columns and heads[c].drop_nulls().len()), None)
+    if column is None:
+        return None, "This scan ran no ablation: no causal effects to rank heads by."
+    roles = head_roles(verdict, heads)
+    rows = []
+    for r in heads.filter(pl.col(column).is_not_null()).iter_rows(named=True):
+        role = roles.get((r["task"], r["layer"], r["head"], r["kind"]))
+        rows.append((drop(r[column]) or 0.0, role in ("gather", "aggregate"), r, role))
+    ga = sorted((x for x in rows if x[1]), key=lambda x: -x[0])[:k]
+    rest = sorted((x for x in rows if not x[1]), key=lambda x: -x[0])[:k - len(ga)]
+    rows_shown = sorted(ga + rest, key=lambda x: -x[0])
+    several = len(scan.tasks) > 1
+    effect = "drop in logit diff [95% CI]" + ("" if column == "d_ld_all" else " (query)")
+    columns = (["task"] if several else []) + ["head", "role (evidence)", effect, "P(gather)", "P(aggregate)",
+                                               "pattern"]
+    body = []
+    for _d, _ga, r, role in rows_shown:
+        body.append(([r["task"]] if several else []) + [
+            head_name(r["layer"], r["head"], r["kind"]), (role or "none").replace("_", " "), drop_ci(r, column, 2),
+            fmt(r.get("p_gather"), 2), fmt(r.get("p_aggregate"), 2), _pattern_metric(r, role)])
+    clean = ", ".join(f"{t} {signed(scan.clean(t).get('logit_diff'), 2)}" for t in scan.tasks)
+    more = len(rows) - len(body)
+    note = (f"Drop = clean − ablated logit difference (positive = the head helps; clean: {clean}). The "
+            f"verdict's gather and aggregate heads and the largest drops, by drop"
+            + (f"; {more} more heads in the appendix and heads.parquet." if more > 0 else "."))
+    return Table(columns, body, element_id="ranked"), note
+
+
+def build_first_screen(scan: Scan, heads: pl.DataFrame, n_layers: int) -> tuple[FirstScreen, Verdict | None]:
+    verdict, note = scan_verdict(scan)
+    screen = FirstScreen(f"gascan report: {scan.summary.get('model', '?')}", facts_line(scan), note=note)
+    for t in (verdict.tasks if verdict else ()):
+        screen.verdicts.append(VerdictLine(t.task, t.outcome, OUTCOME_WORDS.get(t.outcome, t.outcome), t.sentence,
+                                           t.confidence))
+    png = effect_map_figure(heads, n_layers, scan.tasks, marks(verdict, heads))
+    if png:
+        source = "the verdict's" if verdict is not None else "the evidence stage's"
+        screen.figure = Figure("effect_map", "Drop in logit difference when one head is ablated", png,
+                               caption=(f"Drop in logit difference when the head is ablated (all positions; red = "
+                                        f"the head helps). G / A: {source} gather and aggregate heads."),
+                               element_id="effect-map")
+    else:
+        screen.figure_note = "No effect map: this scan ran no ablation."
+    screen.table, screen.table_note = ranked_table(scan, heads, verdict)
+    return screen, verdict
