@@ -66,27 +66,33 @@ def run(lm: LoadedModel, options: ScanOptions, out: str | Path, *, progress: Pro
     return finish(lm, out, progress=progress, report=report)
 
 
-def finish(lm: LoadedModel, out: str | Path, *, progress: Progress | None = None,
+def finish(lm: LoadedModel | None, out: str | Path, *, start: str = "evidence", progress: Progress | None = None,
            report: bool = True) -> ScanResult:
-    """The stages after the sweep, on a directory that holds the sweep's ``heads.parquet`` and
-    ``summary.json``: evidence, pairs (both skipped when the sweep measured no effects), verdict, report."""
+    """The stages after the sweep, from ``start`` on, on a directory that holds the sweep's
+    ``heads.parquet`` and ``summary.json``: evidence, pairs (both skipped when the sweep measured no
+    effects), verdict, report. ``lm`` may be None when ``start`` is "verdict" or "report" (the report then
+    uses the saved example pattern)."""
     from discovery.evidence import scan_evidence
     from discovery.rank.pairs import scan_pairs
 
+    if start not in STAGES[1:]:
+        raise ValueError(f"start must be one of {STAGES[1:]}, not {start!r}")
+    todo = STAGES[STAGES.index(start):]
     out = Path(out)
     scan = read_scan(out)
     scored = (scan.summary.get("options") or {}).get("ablation", "exact") != "none" and scan.heads.height > 0
-    if scored:
+    if scored and "evidence" in todo:
         tables, fields = scan_evidence(lm, scan.heads, scan.summary, progress=progress)
         write_evidence(out, tables, fields)
         scan = read_scan(out)
+    if scored and "pairs" in todo:
         if progress:
             progress("pairs (ranking, joint ablation)", 0, 1)
         pairs, fields = scan_pairs(lm, scan.heads, scan.summary, evidence=scan.evidence)
         write_pairs(out, pairs, fields)
         if progress:
             progress("pairs (ranking, joint ablation)", 1, 1)
-    verdict = conclude(out)
+    verdict = conclude(out) if "verdict" in todo else decide(scan.summary, _pair_rows(scan))
     html = None
     if report:
         from discovery.report import write_report
@@ -99,7 +105,10 @@ def finish(lm: LoadedModel, out: str | Path, *, progress: Progress | None = None
 def conclude(out: str | Path) -> Verdict:
     """The verdict stage: decide from the scan's tables and record it in ``summary.json``."""
     scan = read_scan(out)
-    pairs = scan.pairs.to_dicts() if scan.pairs is not None else []
-    verdict = decide(scan.summary, pairs)
+    verdict = decide(scan.summary, _pair_rows(scan))
     update_summary(out, {"verdict": verdict.as_dict()})
     return verdict
+
+
+def _pair_rows(scan) -> list[dict[str, Any]]:
+    return scan.pairs.to_dicts() if scan.pairs is not None else []

@@ -8,8 +8,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "report", help="rebuild a scan's report from its tables",
         description="Rebuild DIR/report.md, DIR/report.html (self-contained) and DIR/figures/*.png from "
-        "DIR/heads.parquet and DIR/summary.json (and pairs.parquet, patterns.npz when present). The example "
-        "attention pattern is redrawn from patterns.npz, or by loading the model when it is small.")
+        "DIR/heads.parquet and DIR/summary.json (and pairs.parquet, patterns.npz when present), after "
+        "deciding the verdict again from the tables (written to summary.json). The example attention pattern "
+        "is redrawn from patterns.npz, or by loading the model when it is small.")
     parser.add_argument("dir", metavar="DIR", help="a scan directory (the --out of gascan scan)")
     parser.add_argument("--load-model", action="store_true",
                         help="load the scanned model (summary.json's spec) to redraw the example pattern, "
@@ -23,26 +24,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from discovery.artifacts import read_scan
-    from discovery.report import write_report
+    from discovery.model.loading import load_model
+    from pipelines import pipeline
 
-    lm = None
-    if args.load_model or args.pairs:
-        from discovery.model.loading import load_model
-
-        lm = load_model(read_scan(args.dir).summary.get("spec"), device=args.device)
+    summary = read_scan(args.dir).summary
+    lm = load_model(summary.get("spec"), device=args.device) if args.load_model or args.pairs else None
+    # --pairs reruns the pair ranking; either way the verdict is decided again from the tables, then drawn
+    result = pipeline.finish(lm, args.dir, start="pairs" if args.pairs else "verdict")
     if args.pairs:
-        from discovery.artifacts import write_pairs
-        from discovery.rank.pairs import scan_pairs
+        from discovery.rank.verdict import HeadRef
 
-        scan = read_scan(args.dir)
-        table, fields = scan_pairs(lm, scan.heads, scan.summary, evidence=scan.evidence)
-        write_pairs(args.dir, table, fields)
-        from discovery.report import head_name
-
-        name = lambda h: head_name(h["layer"], h["head"], h["kind"])
-        print(f"ranked {table.height} candidate pairs; top: "
-              + ", ".join(f"{name(p['gather'])} → {name(p['aggregate'])} (verified: {p.get('verified')}, confident: {p.get('confident')})"
-                          for p in fields["top_pairs"][:3]))
-    path = write_report(args.dir, lm)
-    print(f"wrote {path} and {path.with_suffix('.md')}")
+        top = result.summary.get("top_pairs") or []
+        name = lambda h: HeadRef(h["layer"], h["head"], h["kind"]).name  # noqa: E731
+        print("top pairs: " + ", ".join(f"{name(p['gather'])} → {name(p['aggregate'])} (verified: {p.get('verified')})"
+                                        for p in top[:3]))
+    print(f"verdict: {result.verdict.headline}")
+    print(f"wrote {result.report} and {result.report.with_suffix('.md') if result.report else ''}")
     return 0
