@@ -125,7 +125,8 @@ def head_scores(heads: pl.DataFrame, summary: Mapping[str, Any] | None = None,
         bonus, pair_text = members.get(key, (0.0, ""))
         role_name, role = ("aggregate", pa[i]) if pa[i] >= pg[i] else ("gather", pg[i])
         label = f"P({role_name})" if has_p else f"{role_name} pattern × effect"
-        parts = [f"{role_name}-like ({label} {role:.2f})"]
+        parts = [f"{role_name}-like ({label} {role:.2f})" if role >= 0.5 else
+                 f"not G&A-like (highest: {label} {role:.2f})"]
         verdict = evidence_roles[i]
         if verdict in ("gather", "aggregate"):  # the evidence stage confirmed the role causally
             role_name, role = verdict, max(float(role), 0.9)
@@ -137,7 +138,8 @@ def head_scores(heads: pl.DataFrame, summary: Mapping[str, Any] | None = None,
         if np.isfinite(drop_all[i]) or np.isfinite(drop_query[i]):
             where, value = (("at the query position", drop_query[i]) if np.nan_to_num(drop_query[i], nan=-9) >=
                             np.nan_to_num(drop_all[i], nan=-9) else ("at all positions", drop_all[i]))
-            parts.append(f"ablating it {where} costs {100 * value:.0f}% of the clean logit difference")
+            change = "lowers" if value >= 0 else "raises"  # value: the drop, a share of the clean logit difference
+            parts.append(f"ablating it {where} {change} the logit difference by {100 * abs(value):.0f}% of clean")
         if pair_text:
             parts.append(pair_text)
         rows.append({**r, "role": role_name, "role_evidence": float(role), "importance": float(importance[i]),

@@ -15,9 +15,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--load-model", action="store_true",
                         help="load the scanned model (summary.json's spec) to redraw the example pattern, "
                         "whatever its size")
-    parser.add_argument("--pairs", action="store_true",
-                        help="(re)rank G&A pairs first: loads the model, runs the interaction test and the "
-                        "verified joint ablations, writes pairs.parquet and updates summary.json")
+    parser.add_argument("--rerun", choices=("evidence", "pairs"), default=None,
+                        help="rerun the pipeline from this stage first (loads the model): evidence reruns the "
+                        "evidence tests and the pair ranking, pairs only the pair ranking with its joint ablations")
+    parser.add_argument("--pairs", action="store_true", help="the same as --rerun pairs")
     parser.add_argument("--device", default="cpu", help="device for --load-model / --pairs (default cpu)")
     parser.set_defaults(func=run)
 
@@ -28,10 +29,11 @@ def run(args: argparse.Namespace) -> int:
     from pipelines import pipeline
 
     summary = read_scan(args.dir).summary
-    lm = load_model(summary.get("spec"), device=args.device) if args.load_model or args.pairs else None
-    # --pairs reruns the pair ranking; either way the verdict is decided again from the tables, then drawn
-    result = pipeline.finish(lm, args.dir, start="pairs" if args.pairs else "verdict")
-    if args.pairs:
+    rerun = args.rerun or ("pairs" if args.pairs else None)
+    lm = load_model(summary.get("spec"), device=args.device) if args.load_model or rerun else None
+    # the verdict is decided again from the tables whatever reran, then drawn
+    result = pipeline.finish(lm, args.dir, start=rerun or "verdict")
+    if rerun:
         from discovery.rank.verdict import HeadRef
 
         top = result.summary.get("top_pairs") or []
