@@ -205,23 +205,31 @@ def _direct_change(drop: float | None) -> str:
 
 
 def _evidence_text(v: Mapping[str, Any], th: EvidenceThresholds, clean_ld: float, mm_ld: float) -> str:
-    """One line: the pattern numbers, the effects per scope (share of clean), credits and readers."""
+    """One line: the pattern numbers, the drops per scope (share of clean), credits and readers."""
     row = v["row"]
 
-    def eff(column: str, ref: float) -> str:
+    def drop(column: str, ref: float) -> str:
+        """``drop all 4.89 [4.10, 5.60] (48% of clean 10.20)``: the drop in logit difference, its interval and
+        its share of ``ref`` (the clean logit difference), number and share with the same sign.
+
+        Drop = clean - ablated = minus the stored ``d_ld_*`` delta (ablated - clean); positive = the head
+        helps. That is the convention of ``discovery.rank.verdict.drop``, written out here because the
+        evidence stage sits below rank and must not import it."""
         e = _effect(row, column)
         if e.mean is None:
             return "n/a"
-        share = f" ({-e.mean / ref:+.0%})" if ref > 0 else ""
-        return f"{e.mean:+.2f} [{_fmt(e.lo)}, {_fmt(e.hi)}]{share}"
+        value = -e.mean + 0.0  # + 0.0: no "-0.00"
+        lo, hi = (None if e.hi is None else -e.hi + 0.0), (None if e.lo is None else -e.lo + 0.0)
+        share = f" ({value / ref:.0%} of clean {ref:.2f})" if ref > 0 else ""
+        return f"{value:.2f} [{_fmt(lo)}, {_fmt(hi)}]{share}"
 
     # only the columns the table has: tables from before agg_after or gather_cross existed lack them
     parts = [", ".join(f"{name} {_fmt(_num(row[name]))}" for name in EVIDENCE_PATTERN_METRICS if name in row)]
-    parts.append("d_ld " + ", ".join(f"{s} {eff(f'd_ld_{s}', clean_ld)}" for s in SCOPE_ABLATIONS
-                                     if f"d_ld_{s}" in row) + f" of clean {clean_ld:.2f}")
+    parts.append("drop " + ", ".join(f"{s} {drop(f'd_ld_{s}', clean_ld)}" for s in SCOPE_ABLATIONS
+                                     if f"d_ld_{s}" in row))
     if "mm_d_ld_all" in row:
-        parts.append("minimal model " + ", ".join(f"{s} {eff(f'mm_d_ld_{s}', mm_ld)}" for s in MINIMAL_SCOPES
-                                                   if f"mm_d_ld_{s}" in row))
+        parts.append("minimal model drop " + ", ".join(f"{s} {drop(f'mm_d_ld_{s}', mm_ld)}" for s in MINIMAL_SCOPES
+                                                        if f"mm_d_ld_{s}" in row))
     if v["credits"]:
         parts.append("needed by group " + ", ".join(v["credits"]))
     if v.get("readers"):
