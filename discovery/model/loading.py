@@ -103,7 +103,7 @@ def resolve_spec(spec: str | os.PathLike | None) -> tuple[str, Path | None, str 
     """Turn a user's model spec into (kind, directory, gguf file name); kinds: tiny, dir, gguf."""
     text = BUNDLED_SPEC if spec is None else str(spec)
     if text.startswith("bundled:"):  # a toy model shipped inside the package (machine-independent name)
-        from discovery.toy import bundled_model_path
+        from discovery.model.bundled import bundled_model_path
 
         return "dir", bundled_model_path(text.split(":", 1)[1]), None
     if text in PACKAGED:
