@@ -319,6 +319,26 @@ def test_evidence_text_says_where_the_summary_reads_when_the_table_has_it():
     assert "gather_cross" not in roles["evidence"].item() and "gather_score 0.25" in roles["evidence"].item()
 
 
+def test_evidence_text_gives_drops_and_shares_with_the_same_sign():
+    """The evidence line quotes drops (clean - ablated, positive = the head helps, rank.verdict.drop's
+    convention) with their interval and share of clean: a helpful head reads positive twice, a harmful
+    one negative twice (it once printed "d_ld all -3.00 [...] (+75%)")."""
+    import polars as pl
+
+    from discovery.evidence import verdicts
+
+    clean = {"logit_diff": 4.0, "acc": 0.9, "chance": 0.25}
+    helps = _row(0, 0, effects={"all": -3.0, "segment": -2.9})
+    hurts = _row(0, 1, effects={"all": 0.4})
+    roles, _ = verdicts(pl.DataFrame([helps, hurts]), None, clean=clean)
+    helps_text, hurts_text = roles["evidence"].to_list()
+    assert "drop all 3.00 [2.95, 3.05] (75% of clean 4.00)" in helps_text
+    assert "segment 2.90 [2.85, 2.95] (72% of clean 4.00)" in helps_text
+    assert "query 0.00 [-0.05, 0.05] (0% of clean 4.00)" in helps_text  # no "-0.00"
+    assert "drop all -0.40 [-0.45, -0.35] (-10% of clean 4.00)" in hurts_text
+    assert "d_ld" not in helps_text and "+" not in helps_text
+
+
 def test_evidence_text_says_when_the_query_reads_just_past_the_gold_option():
     """A head acting at the query whose row sits right after the gold option (high agg_after, low
     agg_select) shows both numbers in its evidence line; older tables without agg_after do not."""

@@ -16,7 +16,7 @@ from tests.helpers import mc_prompts
 
 
 def test_nnsight_and_transformers_models_give_identical_effects():
-    import nnsight
+    nnsight = pytest.importorskip("nnsight", reason="nnsight is optional: pip install gascan[nnsight] (dev has it)")
 
     lm = load_model("tiny:llama")
     batch = annotate(mc_prompts(4), lm.tokenizer, padding_side="left")

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from discovery.errors import GascanError
 from discovery.model.adapter import Adapter
 
 GASCAN_ATTENTION = "gascan"
@@ -74,7 +75,9 @@ def _repeat_kv(value: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 def _gascan_attention(module: nn.Module, query, key, value, attention_mask, **kwargs):
     """Attention that exposes probabilities only where gascan needs them (see module docstring)."""
-    from transformers import AttentionInterface
+    # the documented way to delegate to sdpa from a custom attention function
+    # (https://huggingface.co/docs/transformers/attention_interface)
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     state: _State | None = getattr(module, "_gascan_state", None)
     eager = sys.modules[type(module).__module__].eager_attention_forward
@@ -85,7 +88,7 @@ def _gascan_attention(module: nn.Module, query, key, value, attention_mask, **kw
     if not wants_probs:
         base = state.base_attention if state is not None else "sdpa"
         if base == "sdpa" and kwargs.get("softcap") is None:
-            return AttentionInterface._global_mapping["sdpa"](module, query, key, value, attention_mask, **kwargs)
+            return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
         return eager(module, query, key, value, attention_mask, **kwargs)
     out, probs = eager(module, query, key, value, attention_mask, **kwargs)  # probs [batch, head, q, k]
     if layer in state.config.prob_edits:
@@ -97,12 +100,17 @@ def _gascan_attention(module: nn.Module, query, key, value, attention_mask, **kw
 
 
 def register_attention() -> None:
-    """Register gascan's attention function and its (eager) mask with transformers; idempotent."""
+    """Register gascan's attention function and its (eager) mask with transformers; idempotent.
+
+    Only public API: ``AttentionInterface`` / ``AttentionMaskInterface`` are documented dict-like registries
+    (``register`` adds a key library-wide; an instance answers ``in`` for registered keys).
+    """
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
-    if GASCAN_ATTENTION not in AttentionInterface._global_mapping:
+    if GASCAN_ATTENTION not in AttentionInterface():
         AttentionInterface.register(GASCAN_ATTENTION, _gascan_attention)
+    if GASCAN_ATTENTION not in AttentionMaskInterface():
         AttentionMaskInterface.register(GASCAN_ATTENTION, eager_mask)
 
 
@@ -161,11 +169,13 @@ class Intervener:
             for module in attn_modules:
                 module._gascan_state = state
             if attn_modules:
-                self.model.config._attn_implementation = GASCAN_ATTENTION
-                for sub in self.model.modules():  # submodules may hold their own config copy
-                    cfg = getattr(sub, "config", None)
-                    if cfg is not None and cfg is not self.model.config and hasattr(cfg, "_attn_implementation"):
-                        cfg._attn_implementation = GASCAN_ATTENTION
+                # public switch: dispatches to every sub-model and sub-config
+                self.model.set_attn_implementation(GASCAN_ATTENTION)
+                if self.model.config._attn_implementation != GASCAN_ATTENTION:  # transformers only warned
+                    raise GascanError(
+                        f"{type(self.model).__name__} cannot switch its attention function at run time",
+                        "use a model whose attention dispatches through transformers' AttentionInterface",
+                    )
             if config.start_layer > 0:
                 if config.start_hidden is None:
                     raise ValueError("start_layer > 0 needs start_hidden")
@@ -186,11 +196,7 @@ class Intervener:
             for layer in patched:
                 del layer.forward
             if attn_modules:
-                self.model.config._attn_implementation = previous_impl
-                for sub in self.model.modules():
-                    cfg = getattr(sub, "config", None)
-                    if cfg is not None and hasattr(cfg, "_attn_implementation"):
-                        cfg._attn_implementation = previous_impl
+                self.model.set_attn_implementation(previous_impl)
 
     # -- hook factories -------------------------------------------------------------------------
     def _enter_layer(self, state: _State, index: int):

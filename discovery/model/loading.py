@@ -104,7 +104,7 @@ def resolve_spec(spec: str | os.PathLike | None) -> tuple[str, Path | None, str 
     """Turn a user's model spec into (kind, directory, gguf file name); kinds: tiny, dir, gguf."""
     text = BUNDLED_SPEC if spec is None else str(spec)
     if text.startswith("bundled:"):  # a toy model shipped inside the package (machine-independent name)
-        from discovery.toy import bundled_model_path
+        from discovery.model.bundled import bundled_model_path
 
         return "dir", bundled_model_path(text.split(":", 1)[1]), None
     if text in PACKAGED:
@@ -223,13 +223,15 @@ def load_model(
             with mock.patch.object(gguf_utils, "tqdm", lambda iterable, **_: iterable):
                 model = AutoModelForCausalLM.from_pretrained(
                     directory, gguf_file=name, dtype=torch_dtype, local_files_only=True,
-                    attn_implementation=attn_implementation,
+                    attn_implementation=attn_implementation, use_kernels=False,
                 )
         else:
             files = sorted(directory.glob("*.safetensors")) or sorted(
                 p for p in directory.iterdir() if p.suffix in PICKLE_SUFFIXES)
+            # use_kernels=False: gascan hooks the reference modules, which hub kernels would replace
+            # (transformers 5.25 kernelizes by default; 5.24 did not)
             options = dict(dtype=torch_dtype, local_files_only=True, trust_remote_code=trust_remote_code,
-                           use_safetensors=None if allow_pickle else True)
+                           use_safetensors=None if allow_pickle else True, use_kernels=False)
             try:
                 model = AutoModelForCausalLM.from_pretrained(directory, attn_implementation=attn_implementation,
                                                              **options)

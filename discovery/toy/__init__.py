@@ -7,20 +7,24 @@ stays cheap: the trainer (torch, transformers) loads on first use.
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-from discovery.errors import ModelLoadError
+# where the bundled models live and how they are named: in discovery.model.bundled, because the model
+# loader resolves ``bundled:NAME`` and the model stage must not import the toy stage above it
+from discovery.model.bundled import (
+    BUNDLED_NAMES,
+    BUNDLED_ROOT,
+    DEFAULT_BUNDLED,
+    bundled_checkpoints,
+    bundled_model_path,
+)
 from discovery.toy.config import ARCHES, TASKS, TrainConfig
-
-BUNDLED_ROOT = Path(__file__).resolve().parent.parent / "data" / "toy"
-DEFAULT_BUNDLED = "mc-transformer"
-BUNDLED_NAMES: tuple[str, ...] = ("mc-transformer", "mc-mamba2", "mc-mamba2-k2", "mc-hybrid", "mc1-transformer",
-                                  "mc3-transformer")
 
 __all__ = [
     "ARCHES",
     "BUNDLED_NAMES",
+    "BUNDLED_ROOT",
+    "DEFAULT_BUNDLED",
     "TASKS",
     "TrainConfig",
     "TrainResult",
@@ -32,6 +36,7 @@ __all__ = [
 ]
 
 
+<<<<<<< HEAD
 def bundled_model_path(name: str = DEFAULT_BUNDLED) -> Path:
     """Directory of a bundled toy model (a Hugging Face checkpoint); default: the `mc` transformer.
 
@@ -78,6 +83,8 @@ def trained_task_options(files: list[Path] | tuple[Path, ...]) -> dict[str, dict
     return {}
 
 
+=======
+>>>>>>> issue22-c
 def __getattr__(name: str) -> Any:  # lazy: the trainer imports torch
     if name in ("train", "evaluate", "TrainResult"):
         from discovery.toy import trainer

@@ -1,0 +1,100 @@
+"""The minimal model: the task score of the model cut after each layer, the shallowest depth that keeps
+the clean score, and head ablations inside that truncated model."""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import polars as pl
+import torch
+
+from discovery.errors import GascanError
+from discovery.evidence.common import _chance, _clean
+from discovery.evidence.positions import position_effects
+from discovery.evidence.thresholds import MINIMAL_SCOPES, EvidenceThresholds
+from discovery.heads import HeadId
+from discovery.measure.ablation import AblationEngine, Progress, query_scores
+from discovery.model.loading import LoadedModel
+from discovery.tasks.base import AnnotatedBatch
+
+
+def _readout_logits(lm: LoadedModel, hidden: torch.Tensor) -> torch.Tensor:
+    """Logits from residual states ``[batch, d_model]`` through the model's final norm and unembedding."""
+    adapter = lm.adapter
+    with torch.no_grad():
+        x = adapter.final_norm()(hidden[:, None, :])  # [batch, 1, d_model]
+        logits = adapter.unembed()(x)[:, 0].float()  # [batch, vocab]
+    cap = getattr(lm.model.config, "final_logit_softcapping", None)
+    if cap:  # Gemma 2/3 squash the final logits
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+def depth_profile(lm: LoadedModel, batch: AnnotatedBatch) -> pl.DataFrame:
+    """The task score of the model truncated after each layer: one row per depth ``1..n_layers``.
+
+    Each layer's output at the query position is captured in one clean pass (the Intervener's
+    ``layer_sinks``) and read out through the final norm and the unembedding; the last depth is the
+    model itself. Columns: ``depth`` (layers kept), ``layer`` (the last one), ``acc``, ``logit_diff``,
+    ``gold_logprob`` (means over prompts), ``chance`` and the shares of the clean score ``acc_frac``
+    (above chance: ``(acc - chance) / (clean acc - chance)``, null when the clean model is not above
+    chance by a margin) and ``ld_frac`` (``logit_diff / clean logit_diff``, null when that is <= 0).
+    """
+    from discovery.measure.patterns import model_inputs
+    from discovery.model.intervene import Intervener, PassConfig
+
+    device = next(lm.model.parameters()).device
+    part = batch.to(device)
+    rows = torch.arange(len(part), device=device)
+    n_layers = lm.inventory.n_layers
+    captured: dict[int, torch.Tensor] = {}
+    sinks = {i: (lambda h, i=i: captured.__setitem__(i, h[rows, part.query_pos].detach())) for i in range(n_layers)}
+    with torch.no_grad(), Intervener(lm.adapter).run(PassConfig(layer_sinks=sinks)):
+        lm.model(**model_inputs(lm.model, part))
+    scores = [query_scores(_readout_logits(lm, captured[i])[None], part) for i in range(n_layers)]
+    chance = _chance(batch)
+    last = scores[-1]
+    clean_acc, clean_ld = float(last.acc.mean()), float(last.logit_diff.mean())
+    out = []
+    for i, s in enumerate(scores):
+        acc, ld = float(s.acc.mean()), float(s.logit_diff.mean())
+        out.append({
+            "depth": i + 1, "layer": i, "acc": acc, "logit_diff": ld, "gold_logprob": float(s.gold_logprob.mean()),
+            "chance": chance,
+            "acc_frac": (acc - chance) / (clean_acc - chance) if clean_acc - chance > 1e-9 else None,
+            "ld_frac": ld / clean_ld if clean_ld > 1e-9 else None,
+        })
+    return pl.DataFrame(out, schema_overrides={"acc_frac": pl.Float64, "ld_frac": pl.Float64})
+
+
+def minimal_depth(profile: pl.DataFrame, thresholds: EvidenceThresholds | None = None) -> int | None:
+    """The shallowest depth whose score keeps ``thresholds.keep`` of the clean score (None: the clean
+    model does not do the task, so there is no minimal model)."""
+    th = thresholds or EvidenceThresholds()
+    last = profile.row(profile.height - 1, named=True)
+    if th.depth_metric == "acc" and last["acc"] - last["chance"] < th.min_margin:
+        return None
+    if last["logit_diff"] <= 0:
+        return None
+    column = "acc_frac" if th.depth_metric == "acc" else "ld_frac"
+    for row in profile.iter_rows(named=True):
+        if row[column] is not None and row[column] >= th.keep - 1e-9 and row["logit_diff"] > 0:
+            return int(row["depth"])
+    return int(last["depth"])
+
+
+def minimal_model_effects(lm: LoadedModel, batch: AnnotatedBatch, depth: int, heads: Iterable[HeadId] | None = None,
+                          *, scopes: Sequence[str] = MINIMAL_SCOPES, bootstrap: int = 1000, seed: int = 0,
+                          max_memory_mb: float | None = None, progress: Progress | None = None
+                          ) -> tuple[pl.DataFrame, dict[str, float]]:
+    """Head ablations repeated inside the model truncated to ``depth`` layers.
+
+    Returns the :func:`position_effects` table with columns prefixed ``mm_`` (heads of the kept layers
+    only) and the truncated model's clean scores (``acc``, ``logit_diff``, ``gold_logprob``, ``chance``).
+    """
+    n_layers = lm.inventory.n_layers
+    if not 1 <= depth <= n_layers:
+        raise GascanError(f"minimal-model depth {depth} is outside 1..{n_layers}", "pass a depth from the profile")
+    engine = AblationEngine(lm, batch, readout_layer=depth - 1, max_memory_mb=max_memory_mb)
+    frame = position_effects(engine, heads, scopes=scopes, bootstrap=bootstrap, seed=seed, prefix="mm_",
+                             progress=progress)
+    return frame, _clean(engine)

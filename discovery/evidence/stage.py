@@ -1,0 +1,192 @@
+"""One task's evidence for the scan (:func:`evidence_report`), and every task of a finished scan
+(:func:`scan_evidence`)."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+import torch
+
+from discovery.errors import GascanError
+from discovery.evidence.common import _clean, _heads_of, _num
+from discovery.evidence.groups import group_ablations
+from discovery.evidence.minimal import depth_profile, minimal_depth, minimal_model_effects
+from discovery.evidence.positions import position_effects
+from discovery.evidence.reads import read_test
+from discovery.evidence.roles import lives_at, verdicts
+from discovery.evidence.thresholds import MINIMAL_SCOPES, SCOPE_ABLATIONS, SHORT, EvidenceThresholds
+from discovery.heads import HeadId
+from discovery.measure.ablation import AblationEngine, Progress
+from discovery.model.loading import LoadedModel
+from discovery.tasks.base import AnnotatedBatch
+
+
+def _check_candidates(batch: AnnotatedBatch) -> None:
+    """The engine scores the candidates' first tokens: they must be distinct within every prompt."""
+    cand = batch.cand_first_token
+    mask = batch.cand_mask if batch.cand_mask is not None else torch.ones_like(cand, dtype=torch.bool)
+    for i in range(len(batch)):
+        firsts = cand[i][mask[i]].tolist()
+        if len(set(firsts)) != len(firsts):
+            raise GascanError(
+                f"the candidates of prompt {i} share their first token, so effects on the answer cannot be read",
+                "use a task form with single-token answers (e.g. --task-option query_space=true for kv named)",
+            )
+
+
+@dataclass
+class EvidenceReport:
+    """Everything :func:`evidence_report` found for one task."""
+
+    summary: dict[str, Any]  # for summary.json: verdict, roles, depth_profile, groups, thresholds
+    heads: pl.DataFrame  # per head: effects per scope, minimal-model effects, role and evidence
+    groups: pl.DataFrame  # group ablations with controls
+    profile: pl.DataFrame  # depth profile
+    reads: pl.DataFrame = field(default_factory=pl.DataFrame)  # read tests
+
+    def write(self, out_dir: str | Path, suffix: str = "") -> Path:
+        """Write ``evidence{suffix}.parquet``, ``evidence_groups{suffix}.parquet``,
+        ``evidence_depth{suffix}.parquet`` and ``evidence_reads{suffix}.parquet`` atomically."""
+        from discovery.io import write_parquet
+
+        out = Path(out_dir)
+        write_parquet(out / f"evidence{suffix}.parquet", self.heads)
+        write_parquet(out / f"evidence_groups{suffix}.parquet", self.groups)
+        write_parquet(out / f"evidence_depth{suffix}.parquet", self.profile)
+        write_parquet(out / f"evidence_reads{suffix}.parquet", self.reads)
+        return out
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float):
+        return _num(value)
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def evidence_report(lm: LoadedModel, batch: AnnotatedBatch, frame: pl.DataFrame,
+                    thresholds: EvidenceThresholds | None = None, *, engine: AblationEngine | None = None,
+                    bootstrap: int = 1000, seed: int = 0, max_memory_mb: float | None = None,
+                    progress: Progress | None = None) -> EvidenceReport:
+    """Position-resolved effects, the minimal model, group ablations, read tests and verdicts for one
+    task of a scan.
+
+    ``frame`` is the scan's head table for this task (``scan_task``'s first result): its pattern metrics
+    are used as they are; effect columns it already has (``d_*_all``, ``d_*_query``) are kept and only
+    the missing scopes are run. ``engine`` may be the scan's engine for the same batch (saves its clean
+    pass). Every head of ``frame`` is tested; groups and controls draw from the whole model.
+    """
+    th = thresholds or EvidenceThresholds()
+    _check_candidates(batch)
+    tasks = frame["task"].unique().to_list() if "task" in frame.columns and frame.height else []
+    if len(tasks) > 1:
+        raise GascanError(f"the head table holds {len(tasks)} tasks", "pass one task's rows (one batch is one task)")
+    missing = [c for c in ("selectivity", "agg_select", "gather_score") if c not in frame.columns]
+    if missing:
+        raise GascanError(f"the head table has no {missing[0]} column", "scan with the pattern pass enabled")
+    engine = engine or AblationEngine(lm, batch, max_memory_mb=max_memory_mb)
+    clean = _clean(engine)
+    heads = _heads_of(frame)
+
+    have = [s for s in SCOPE_ABLATIONS if all(f"d_{short}_{s}{end}" in frame.columns
+                                               for short in SHORT.values() for end in ("", "_lo", "_hi"))]
+    todo = [s for s in SCOPE_ABLATIONS if s not in have]
+    table = frame
+    if todo:
+        effects = position_effects(engine, heads, scopes=todo, bootstrap=bootstrap, seed=seed, progress=progress)
+        table = table.join(effects, on=["layer", "head", "kind"], how="left")
+
+    profile = depth_profile(lm, batch)
+    depth = minimal_depth(profile, th)
+    minimal: dict[str, Any] = {"depth": depth, "n_layers": lm.inventory.n_layers, "metric": th.depth_metric,
+                               "keep": th.keep}
+    if depth is not None and depth < lm.inventory.n_layers:
+        mm, mm_clean = minimal_model_effects(lm, batch, depth, [h for h in heads if h.layer < depth],
+                                             bootstrap=bootstrap, seed=seed, max_memory_mb=max_memory_mb,
+                                             progress=progress)
+        table = table.join(mm, on=["layer", "head", "kind"], how="left")
+        clean["mm_logit_diff"] = mm_clean["logit_diff"]
+        minimal["clean"] = mm_clean
+    elif depth is not None:  # the minimal model is the whole model: its effects are the full ones
+        for s in MINIMAL_SCOPES:
+            for end in ("", "_lo", "_hi"):
+                table = table.with_columns(pl.col(f"d_ld_{s}{end}").alias(f"mm_d_ld_{s}{end}"))
+        clean["mm_logit_diff"] = clean["logit_diff"]
+        minimal["clean"] = {k: v for k, v in clean.items() if k != "mm_logit_diff"}
+
+    groups = group_ablations(engine, table, th, bootstrap=bootstrap, seed=seed, progress=progress)
+    # first pass: which heads aggregate; then read tests of gather candidates against them
+    roles, _ = verdicts(table, groups, th, clean=clean, minimal=minimal)
+    aggregates = [HeadId(r["layer"], r["head"], r["kind"]) for r in roles.iter_rows(named=True)
+                  if r["role"] == "aggregate"]
+    pre = {r["name"]: r for r in roles.iter_rows(named=True)}
+    candidates = []
+    for row in table.iter_rows(named=True):
+        h = HeadId(int(row["layer"]), int(row["head"]), str(row["kind"]))
+        gs = _num(row.get("gather_score"))
+        seg = lives_at(row, "segment", th, clean["logit_diff"], clean.get("mm_logit_diff"))
+        credited = "gatherers" in (pre[str(h)]["credited_by"] or "")
+        if gs is not None and gs >= th.gather_score and (seg or credited) and any(a.layer > h.layer for a in aggregates):
+            candidates.append(h)
+    if progress:
+        progress("read tests", 0, len(candidates))
+    reads = read_test(engine, candidates, aggregates, th)
+    if progress:
+        progress("read tests", len(candidates), len(candidates))
+    roles, verdict = verdicts(table, groups, th, clean=clean, reads=reads, minimal=minimal)
+    heads_out = table.join(roles.drop("name"), on=["layer", "head", "kind"], how="left")
+    if tasks:  # name the task in every table, so several tasks' tables concatenate
+        groups, profile, reads = (f.with_columns(pl.lit(tasks[0]).alias("task")) for f in (groups, profile, reads))
+    summary = {
+        "verdict": verdict["verdict"],
+        "reason": verdict["reason"],
+        "details": verdict,
+        "roles": [{"head": r["name"], "layer": r["layer"], "index": r["head"], "kind": r["kind"], "role": r["role"],
+                   "where": r["where"], "evidence": r["evidence"]}
+                  for r in roles.iter_rows(named=True) if r["role"] != "none"],
+        "depth_profile": profile.to_dicts(),
+        "minimal_model": minimal,
+        "groups": groups.to_dicts(),
+        "reads": reads.to_dicts(),
+        "thresholds": th.as_dict(),
+    }
+    return EvidenceReport(_jsonable(summary), heads_out, groups, profile, reads)
+
+
+def scan_evidence(lm: LoadedModel, heads: pl.DataFrame, summary: Mapping[str, Any],
+                  thresholds: EvidenceThresholds | None = None, **kwargs: Any
+                  ) -> tuple[dict[str, pl.DataFrame], dict[str, Any]]:
+    """:func:`evidence_report` for every task of a finished scan (``heads.parquet`` + ``summary.json``),
+    each task's batch rebuilt exactly as the scan built it. Returns the tables of all tasks concatenated
+    (``evidence``, ``evidence_groups``, ``evidence_depth``, ``evidence_reads``; each row names its task)
+    and the summary field ``{"evidence": {task: report summary}}``."""
+    from discovery.tasks import build_task
+    from discovery.tasks.base import annotate
+
+    tables: dict[str, list[pl.DataFrame]] = {"evidence": [], "evidence_groups": [], "evidence_depth": [],
+                                             "evidence_reads": []}
+    per_task: dict[str, Any] = {}
+    options = summary.get("options") or {}
+    for task, info in (summary.get("tasks") or {}).items():
+        task_options = dict(info.get("options") or {})
+        prompts = build_task(task, task_options).prompts()
+        max_len = getattr(lm.model.config, "max_position_embeddings", None)
+        batch = annotate(prompts, lm.tokenizer, padding_side="left", max_length=max_len)
+        frame = heads.filter(pl.col("task") == task) if "task" in heads.columns else heads
+        kwargs.setdefault("bootstrap", int(options.get("bootstrap", 1000)))
+        kwargs.setdefault("max_memory_mb", options.get("max_memory_mb"))
+        report = evidence_report(lm, batch, frame, thresholds, seed=int(task_options.get("seed", 0)), **kwargs)
+        per_task[task] = report.summary
+        for name, table in (("evidence", report.heads), ("evidence_groups", report.groups),
+                            ("evidence_depth", report.profile), ("evidence_reads", report.reads)):
+            if table.height:
+                tables[name].append(table)
+    merged = {name: pl.concat(parts, how="diagonal_relaxed") if parts else pl.DataFrame()
+              for name, parts in tables.items()}
+    return merged, {"evidence": per_task}
