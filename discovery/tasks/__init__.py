@@ -2,7 +2,7 @@
 
 A task is named ``NAME`` (its built-in generator) or ``NAME:PATH`` (that task's rows from a local
 file; ``jsonl:PATH`` is the custom format). ``build_task(spec, options)`` returns a
-:class:`~discovery.tasks.base.Task` whose ``prompts()`` are tokenizer-free; :func:`annotate` maps
+:class:`~discovery.tasks.definition.Task` whose ``prompts()`` are tokenizer-free; :func:`annotate` maps
 them through a tokenizer onto a padded :class:`AnnotatedBatch`.
 """
 from __future__ import annotations
@@ -12,15 +12,8 @@ from typing import Any
 
 from discovery.errors import TaskError
 from discovery.registry import Registry
-from discovery.tasks.base import (
-    AnnotatedBatch,
-    Option,
-    Prompt,
-    Task,
-    annotate,
-    load_task_options,
-    parse_task_options,
-)
+from discovery.tasks.base import AnnotatedBatch, Prompt, annotate
+from discovery.tasks.definition import Option, Task, load_task_options, parse_task_options
 
 TASKS: Registry = Registry("task")
 TASKS.add("mc", "discovery.tasks.mc:MCTask", aliases=("mmlu",))

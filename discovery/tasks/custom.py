@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from discovery.errors import TaskError
-from discovery.tasks.base import Option, Prompt, Task, check_prompt
+from discovery.tasks.base import Prompt, check_prompt
+from discovery.tasks.definition import Option, Task
 
 REQUIRED = ("text", "segments", "candidates", "gold")
 

@@ -25,7 +25,8 @@ import random
 from typing import ClassVar
 
 from discovery.errors import TaskError
-from discovery.tasks.base import Option, Prompt, Task, TextBuilder
+from discovery.tasks.base import Prompt, TextBuilder
+from discovery.tasks.definition import Option, Task
 from discovery.tasks.words import CATEGORIES, FIRST_NAMES
 
 

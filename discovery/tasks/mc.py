@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from discovery.errors import TaskError
-from discovery.tasks.base import Option, Prompt, Task, TextBuilder
+from discovery.tasks.base import Prompt, TextBuilder
+from discovery.tasks.definition import Option, Task
 from discovery.tasks.words import ADJECTIVES, CATEGORIES, DETERMINERS, category_words
 
 LABEL_SETS: dict[str, list[str]] = {

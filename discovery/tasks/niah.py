@@ -18,7 +18,8 @@ from __future__ import annotations
 import random
 from typing import ClassVar
 
-from discovery.tasks.base import Option, Prompt, Task, TextBuilder
+from discovery.tasks.base import Prompt, TextBuilder
+from discovery.tasks.definition import Option, Task
 from discovery.tasks.words import FILLER_SENTENCES
 
 CHARS_PER_TOKEN = 4

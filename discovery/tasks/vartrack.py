@@ -24,7 +24,8 @@ import random
 import string
 from typing import ClassVar
 
-from discovery.tasks.base import Option, Prompt, Task, TextBuilder
+from discovery.tasks.base import Prompt, TextBuilder
+from discovery.tasks.definition import Option, Task
 
 
 def _names(rng: random.Random, k: int, length: int) -> list[str]:

@@ -8,7 +8,16 @@
   pipeline), the merge and ``batch_summary.json``; :mod:`~pipelines.batch.series`: the series figure.
 """
 from pipelines.batch.run import BatchResult, merge_batch, run_batch
-from pipelines.batch.shards import Shard, commit_shard, plan_shards, read_marker, shard_key, shard_paths
+from pipelines.batch.shards import (
+    Shard,
+    ShardOutcome,
+    ShardResult,
+    commit_shard,
+    plan_shards,
+    read_marker,
+    shard_key,
+    shard_paths,
+)
 from pipelines.batch.spec import (
     BatchSpec,
     Checkpoint,
@@ -18,7 +27,6 @@ from pipelines.batch.spec import (
     resolve_task,
     spec_from_dict,
 )
-from pipelines.batch.shards import ShardOutcome, ShardResult
 from pipelines.batch.work import ModelCache, execute_shard, scan_shard
 
 __all__ = [

@@ -24,8 +24,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from discovery.errors import GascanError
-from pipelines.batch.shards import Shard
-from pipelines.batch.shards import ShardOutcome
+from pipelines.batch.shards import Shard, ShardOutcome
 from pipelines.batch.work import ModelCache, ShardFn, execute_shard
 from pipelines.options import LoadOptions
 

@@ -10,7 +10,7 @@ import argparse
 from pathlib import Path
 
 from discovery.errors import GascanError
-from discovery.tasks.base import parse_task_options
+from discovery.tasks.definition import parse_task_options
 from discovery.toy.config import SSM_INITS, TrainConfig
 
 
