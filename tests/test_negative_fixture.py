@@ -53,5 +53,8 @@ def test_pattern_without_effect_is_a_decoy_and_no_pair_is_confident(scanned):
     assert summary["gather_heads"] == [] and summary["aggregate_heads"] == []  # the classifier flags no head
     assert not evidence["details"]["pairs"]
     report = (out / "report.md").read_text()
-    assert "| verified |" not in report  # no pair has the verdict's status verified (the sentence is decide()'s)
+    verdict = summary["verdict"]["tasks"][0]
+    assert verdict["outcome"] == "none" and "G&A verified" not in report  # a pair may beat the controls, but no
+    assert not any(p["status"] == "verified" and p["gather_role"] == "gather" and p["aggregate_role"] == "aggregate"
+                   for p in verdict["pairs"])  # verified pair joins heads with G&A roles
     assert all(d in report.split("## Pattern without effect")[1] for d in decoys)

@@ -56,9 +56,12 @@ def test_ranking_finds_the_planted_pair_first_and_verifies_it(planted):
     assert best["select_clean"] == 1.0 and best["select_drop"] >= 0.5
     # ... and holding the aggregate head at its clean output gives back the gather head's cost
     assert best["mediated"] >= 0.9
-    # joint ablation against random pairs from the same layers (3 x 3 = 9 pairs, all used)
-    assert best["control_n"] == 9 and best["verified"] is True
-    assert best["joint_effect_hi"] < best["control_q05"]
+    # joint ablation against random control pairs: the pair's own layers hold 3 x 3 = 9 (too few for p <= 0.05),
+    # so the pool widens to layers within ±1: gather layer 0 or 1, aggregate layer 2 or 3, neither head L0H3 or
+    # L3H0: (0,2) 3 x 4 + (0,3) 3 x 3 + (1,2) 4 x 4 + (1,3) 4 x 3 = 49 pairs, all used (control_draws 50)
+    assert best["control_n"] == 49 and best["control_layers"] == "±1 layer"
+    assert best["control_p"] == pytest.approx(1 / 50)  # no control hurts as much as the planted pair
+    assert best["verified"] is True and best["joint_effect_hi"] < best["control_q05"]
     assert best["joint_effect"] < -0.5 * next(iter(summary["tasks"].values()))["clean"]["logit_diff"]
     assert abs(best["control_mean"]) < 0.5
     # a pair with the decoy gather head (same pattern, output unused) scores far lower
@@ -74,15 +77,67 @@ def test_ranking_finds_the_planted_pair_first_and_verifies_it(planted):
     assert top["aggregate"] == {"layer": 3, "head": 0, "kind": "attn"}
     assert top["joint_effect"] == pytest.approx(best["joint_effect"]) and top["verified"] is True
     assert fields["aggregate_heads"][0]["head"] == 0 and fields["aggregate_heads"][0]["p"] >= 0.5
-    # written next to the scan: the report's verdict names the pair
+    assert top["control_n"] == 49 and top["control_layers"] == "±1 layer"
+    # written next to the scan
     write_pairs(out, table, fields)
     saved = json.loads((out / "summary.json").read_text())
     assert saved["top_pairs"][0]["gather"]["head"] == 3
-    from discovery.report import write_report
+    # the scan ran no evidence stage, so no role is confirmed: the pair beats the controls, but the verdict
+    # calls it G&A-like (the classifier alone never verifies a G&A pair)
+    from discovery.artifacts import read_scan
+    from discovery.rank.verdict import decide_scan
 
-    write_report(out, circuit.lm)
-    # the verdict sentence is decide()'s (discovery.rank.verdict); the report lists the pair first
-    assert "| 1 | L0H3 | L3H0 |" in (out / "report.md").read_text()
+    tv = decide_scan(read_scan(out)).tasks[0]
+    assert tv.outcome == "ga_like" and tv.pairs[0].status == "verified" and tv.verified_pairs == ()
+    assert "evidence stage did not run" in tv.sentence and top["confident"] is False
+
+
+def test_with_evidence_roles_the_verdict_verifies_the_planted_pair(planted):
+    """The evidence stage's roles on the true heads (as its table carries them): the top pair is verified
+    against 49 controls from neighbouring layers, and the verdict's sentence quotes its numbers as drops."""
+    from discovery.rank.verdict import decide
+
+    circuit, heads, summary, batch, _ = planted
+    roles = {(0, 3): "gather", (3, 0): "aggregate"}
+    frame = heads.with_columns(role=pl.Series([roles.get((r["layer"], r["head"]), "none")
+                                               for r in heads.iter_rows(named=True)]))
+    table, fields = rank_pairs(circuit.lm, batch, frame, k=1, summary=summary, n_gather=2, n_aggregate=2,
+                               control_draws=50, bootstrap=200)
+    best = table.sort("rank").row(0, named=True)
+    assert (best["gather_layer"], best["gather_head"], best["aggregate_layer"], best["aggregate_head"]) == (0, 3, 3, 0)
+    assert (best["gather_role"], best["aggregate_role"]) == ("gather", "aggregate")
+    assert best["control_n"] == 49 and best["control_p"] == pytest.approx(0.02) and best["verified"] is True
+    assert fields["top_pairs"][0]["confident"] is True
+    tv = decide(summary, table.to_dicts()).tasks[0]
+    assert tv.outcome == "verified" and [(p.gather.name, p.aggregate.name) for p in tv.verified_pairs] == \
+        [("L0H3", "L3H0")]
+    call = tv.verified_pairs[0]
+    assert call.joint_drop == pytest.approx(-best["joint_effect"]) and call.joint_drop > 0
+    assert call.joint_drop_lo == pytest.approx(-best["joint_effect_hi"])
+    assert call.control_q95_drop == pytest.approx(-best["control_q05"]) and call.joint_drop_lo > call.control_q95_drop
+    assert tv.sentence.startswith("G&A verified: gather L0H3 → aggregate L3H0 (joint drop ")
+    assert "p = 0.02, n = 49 controls, controls from ±1 layer)" in tv.sentence
+
+
+def test_control_pool_widens_to_neighbouring_layers_when_two_layers_hold_too_few_heads(planted):
+    """4 heads a layer: the pair's own layers give 3 x 3 = 9 controls; the pool widens until it holds at least
+    19, same kinds, the control's gather layer before its aggregate layer, never one of the pair's heads,
+    the nearest layers first, and the same draws every time (seeded)."""
+    from discovery.rank.pairs import control_pool
+
+    circuit = planted[0]
+    inv = circuit.lm.inventory
+    g, a = HeadId(1, 0, "attn"), HeadId(2, 3, "attn")
+    pool, distance = control_pool(inv, g, a, 50, seed=0)
+    assert distance == 1 and len(pool) == 50  # 9 same-layer + 64 within ±1, capped at 50
+    assert all(x.layer < y.layer and x.kind == y.kind == "attn" and not {x, y} & {g, a} for x, y in pool)
+    assert all((x.layer, y.layer) == (1, 2) for x, y in pool[:9])  # the same layers come first, all of them
+    assert len(set(pool)) == 50 and {abs(x.layer - 1) for x, _ in pool} | {abs(y.layer - 2) for _, y in pool} == {0, 1}
+    assert control_pool(inv, g, a, 50, seed=0) == (pool, 1) and control_pool(inv, g, a, 50, seed=1)[0] != pool
+    assert control_pool(inv, g, a, 9, seed=0)[1] == 0 and len(control_pool(inv, g, a, 9, seed=0)[0]) == 9
+    # adjacent layers at the top of the model: (2, 3) gives 9; ±1 adds (1, 2) 4 x 3 and (1, 3) 4 x 3 (no layer 4)
+    pool, distance = control_pool(inv, HeadId(2, 1, "attn"), HeadId(3, 2, "attn"), 50)
+    assert distance == 1 and len(pool) == 9 + 4 * 3 + 4 * 3
 
 
 def test_evidence_roles_outrank_classifier_probabilities_in_the_pair_score(planted):
@@ -113,18 +168,16 @@ def test_interaction_patterns_follow_the_ablation(planted):
     assert unrelated["agg_focus"] == pytest.approx(clean["agg_focus"], abs=0.05)
 
 
-def test_a_pair_is_confident_only_when_verified_and_its_heads_look_like_g_and_a():
+def test_a_pair_is_confident_only_when_verified_and_its_heads_have_evidence_roles():
+    """``confident`` (the top_pairs field) is the verdict's rule: at least 19 controls, p <= 0.05, both
+    heads G&A by the evidence standards; classifier probabilities alone no longer make a pair confident."""
     from discovery.rank.pairs import is_confident
 
-    base = {"verified": True, "p_gather": 0.1, "p_aggregate": 0.1, "gather_role": "other_important",
-            "aggregate_role": "other_important"}
-    assert not is_confident(base)  # two important heads beat random pairs: not G&A evidence
-    no_evidence = {**base, "gather_role": None, "aggregate_role": None}
-    assert is_confident({**no_evidence, "p_gather": 0.9, "p_aggregate": 0.6})  # the classifier sees the roles
-    assert not is_confident({**no_evidence, "p_gather": 0.9, "p_aggregate": 0.4})
-    # where the evidence stage ran, its roles overrule the classifier (a toy Mamba-2's important SSM heads
-    # had P >= 0.5 but unselective patterns)
-    assert not is_confident({**base, "p_gather": 0.9, "p_aggregate": 0.6})
-    assert is_confident({**base, "gather_role": "gather", "aggregate_role": "aggregate"})  # the evidence stage does
-    assert not is_confident({**base, "gather_role": "gather", "aggregate_role": "aggregate", "verified": False})
-    assert not is_confident({**base, "p_gather": 0.9, "p_aggregate": 0.9, "verified": None})
+    base = {"control_n": 40, "control_p": 1 / 41, "joint_effect_hi": -3.0, "control_q05": -0.5,
+            "p_gather": 0.9, "p_aggregate": 0.9, "gather_role": "gather", "aggregate_role": "aggregate"}
+    assert is_confident(base)
+    assert not is_confident({**base, "gather_role": "other_important"})  # important heads beat random pairs too
+    assert not is_confident({**base, "gather_role": None, "aggregate_role": None})  # the classifier alone: no
+    assert not is_confident({**base, "control_n": 9, "control_p": 0.1})  # 9 controls: not testable
+    assert not is_confident({**base, "control_p": 3 / 41})  # not significant at 5%
+    assert not is_confident({**base, "joint_effect_hi": -0.4})  # interval reaches the controls

@@ -30,7 +30,8 @@ def test_scan_then_report_with_pairs_names_the_planted_pair(tmp_path, capsys):
     write_evidence(out, *scan_evidence(load_model(str(model)), scan.heads, scan.summary, bootstrap=200))
     assert main(["report", str(out), "--pairs"]) == 0
     printed = capsys.readouterr().out
-    assert "top: L1H0 → L2H3 (verified: True, confident: True)" in printed
+    assert "top pairs: L1H0 → L2H3 (verified: True)" in printed
+    assert "verdict: G&A verified: gather L1H0 → aggregate L2H3 (joint drop " in printed
     summary = json.loads((out / "summary.json").read_text())
     top = summary["top_pairs"][0]
     assert (top["gather"]["head"], top["aggregate"]["head"]) == (0, 3) and top["verified"] is True

@@ -35,7 +35,7 @@ def test_layers_ranked_by_g_and_a_evidence_with_reasons():
     layers = place(heads, summary, None, budget=3, unit="layer")
     assert [c.layer for c in layers[:2]] == [3, 2]  # aggregate layer (query effect) first, then gather layer
     assert layers[0].action == "keep attention"
-    assert "L3H2" in layers[0].why and "aggregate" in layers[0].why and "80% of the clean" in layers[0].why
+    assert "L3H2" in layers[0].why and "aggregate" in layers[0].why and "lowers the logit difference by 80% of clean" in layers[0].why
     # the decoy's layer (strong pattern, no effect) is not among the two recommended layers
     assert 1 not in [c.layer for c in layers[:2]]
     heads_only = place(heads, summary, None, budget=2, unit="head")

@@ -59,7 +59,7 @@ def test_inspect_reports_30_layers_of_9_heads(smol: LoadedModel, capsys: pytest.
         asked.append(str(spec))
         return smol
 
-    monkeypatch.setattr(discovery.loading, "load_model", cached)
+    monkeypatch.setattr(discovery.model.loading, "load_model", cached)
     capsys.readouterr()
     assert main(["inspect", str(gguf_path()), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
