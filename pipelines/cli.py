@@ -8,7 +8,6 @@ one line on stderr and a non-zero exit code; nothing else is caught.
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 from collections.abc import Sequence
 
@@ -26,9 +25,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS.names():
-        module_name = f"pipelines.commands.{name}"
-        if importlib.util.find_spec(module_name) is None:  # command not built yet
-            continue
         COMMANDS.get(name)(sub)
     return parser
 

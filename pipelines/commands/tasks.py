@@ -88,12 +88,8 @@ def _tokenizer(args: argparse.Namespace, prompts: list[Any]) -> tuple[Any, str]:
         from discovery.tasks.toktrain import tokenizer_for_prompts
 
         return tokenizer_for_prompts(prompts), "byte-level BPE trained on this task's prompts (no --model)"
-    try:
-        from discovery.model.loading import load_tokenizer
-    except ImportError:  # the loading module is optional here
-        from transformers import AutoTokenizer
+    from discovery.model.loading import load_tokenizer
 
-        return AutoTokenizer.from_pretrained(args.model, local_files_only=True), f"tokenizer of {args.model}"
     return load_tokenizer(args.model), f"tokenizer of {args.model}"
 
 
