@@ -44,7 +44,8 @@ then any other task of the evidence stage or the pair table):
    (gather …; aggregate …), but no pair of them beats the controls (best: …)"), or none could be
    tested ("…, but not testable: …"), or no tested pair joins a gather and an aggregate head.
 7. Decoys (pattern without effect, by the evidence standards) are listed in ``decoys`` and, when there
-   are any, in a last sentence "Decoys (G&A-like pattern, no effect): …" that names them as not G&A.
+   are any, in a last sentence "Decoys (G&A-like pattern, no effect): …" that names them as not G&A
+   (the first :data:`MAX_NAMED_DECOYS`, then how many more: the full list is in ``decoys``).
 
 Confidence (``TaskVerdict.confidence``; ``reason`` says which rule applied):
 ``verified``: ``high`` when the evidence stage also found a verified pair's aggregate head reading its
@@ -70,6 +71,7 @@ effect's 95% interval lies below the control's 5th percentile (the joint drop's 
 control's 95th percentile of drops); ``not_testable`` when fewer controls could be drawn;
 ``not_significant`` otherwise."""
 ALPHA = 0.05
+MAX_NAMED_DECOYS = 5  # the verdict sentence names this many decoys, then counts the rest
 MIN_CONTROLS = 19  # (1 + 0) / (1 + 19) = 0.05: the smallest permutation p-value that can reach ALPHA
 CONFIDENT_P = 0.5  # without the evidence stage: both classifier probabilities for "G&A-like" (never verified)
 MIN_MARGIN = 0.05  # the evidence thresholds' default: the task is done when accuracy beats chance by this much
@@ -299,7 +301,9 @@ def _decide_task(task: str, summary: Mapping[str, Any], rows: list[Mapping[str, 
     aggregates = tuple(str(h) for h in (ev or {}).get("aggregate_heads") or ())
     decoys = tuple(str(h) for h in (ev or {}).get("decoys") or ())
     base = dict(task=task, pairs=tuple(tested), gather_heads=gathers, aggregate_heads=aggregates, decoys=decoys)
-    decoy_text = f" Decoys (G&A-like pattern, no effect): {', '.join(decoys)}." if decoys else ""
+    shown = ", ".join(decoys[:MAX_NAMED_DECOYS]) + (f" and {len(decoys) - MAX_NAMED_DECOYS} more"
+                                                     if len(decoys) > MAX_NAMED_DECOYS else "")
+    decoy_text = f" Decoys (G&A-like pattern, no effect): {shown}." if decoys else ""
 
     # rule 3
     ablation = (summary.get("options") or {}).get("ablation")
