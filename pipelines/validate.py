@@ -14,7 +14,7 @@ import os
 import re
 import sys
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -193,10 +193,10 @@ def model(spec: str | None, *, dtype: str | None = None, device_name: str | None
     check_model(spec, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
 
 
-def tasks(specs: Iterable[str], options: Mapping[str, Any] | None = None, n: int | None = None,
-          seed: int = 0) -> None:
-    """Known task names (did-you-mean), and the rows of ``jsonl:PATH`` files built with ``options`` (the
-    command line's, given to every task) before the model loads (imports the task package)."""
+def tasks(specs: Iterable[str], options_for: Callable[[str], Mapping[str, Any]] | None = None,
+          n: int | None = None, seed: int = 0) -> None:
+    """Known task names (did-you-mean), and the rows of ``jsonl:PATH`` files, built with
+    ``options_for(spec)`` before the model loads (imports the task package)."""
     from discovery.tasks import build_task, get_task_class, split_spec
 
     for spec in specs:
@@ -205,5 +205,5 @@ def tasks(specs: Iterable[str], options: Mapping[str, Any] | None = None, n: int
         if path is not None and not Path(path).expanduser().exists():
             raise TaskError(f"{name} file {path!r} does not exist", f"give the path of a file for {name}")
         if name == "jsonl":  # self-describing rows: check them all before the model loads
-            opts = {"seed": seed, **({"n": n} if n else {}), **dict(options or {})}
+            opts = {"seed": seed, **({"n": n} if n else {}), **dict(options_for(spec) if options_for else {})}
             build_task(spec, opts).prompts()

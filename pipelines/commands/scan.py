@@ -50,10 +50,12 @@ def check(args: argparse.Namespace) -> list[str]:
     from discovery.tasks import load_task_options, parse_task_options  # imports torch
 
     given = parse_task_options(args.task_option or [])
-    if args.task_options:
-        for task in tasks:
-            load_task_options(args.task_options, task.partition(":")[0])
-    validate.tasks(tasks, given, n=args.prompts, seed=args.seed)
+
+    def options_for(task: str) -> dict[str, Any]:
+        from_file = load_task_options(args.task_options, task.partition(":")[0]) if args.task_options else {}
+        return {**from_file, **given}
+
+    validate.tasks(tasks, options_for, n=args.prompts, seed=args.seed)
     validate.device_available(args.device)
     return tasks
 

@@ -154,6 +154,11 @@ def run_truth(args: argparse.Namespace) -> int:
     """``gascan toy truth``: ground truth by exhaustive single-head ablation (see discovery.truth)."""
     from pathlib import Path
 
+    from pipelines import validate
+
+    validate.prompts(args.prompts)
+    validate.out_file(args.out)
+    validate.model(args.model)
     from rich.console import Console
 
     from discovery.io import write_json
