@@ -16,12 +16,20 @@ from typing import Any
 import torch
 
 from discovery.errors import ModelLoadError
-from discovery.model.adapter import Adapter, adapter_for
 from discovery.model import PICKLE_SUFFIXES
+from discovery.model.adapter import Adapter, adapter_for
+
 # what a spec names, and the cheap checks of what is there, live in the torch-free discovery.model.spec
 # (re-exported here: callers import resolve_spec, PACKAGED, ... from the loader)
 from discovery.model.spec import (  # noqa: F401
-    BUNDLED_SPEC, DTYPE_NAMES, PACKAGED, _hub_cache_dir, check_dtype, check_gguf, packaged_checkpoint, resolve_spec,
+    BUNDLED_SPEC,
+    DTYPE_NAMES,
+    PACKAGED,
+    _hub_cache_dir,
+    check_dtype,
+    check_gguf,
+    packaged_checkpoint,
+    resolve_spec,
 )
 from discovery.model.spec import check_directory as _check_directory
 

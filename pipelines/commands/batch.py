@@ -46,11 +46,10 @@ def run(args: argparse.Namespace) -> int:
 
     from rich.console import Console
 
-    from pipelines.batch import load_spec, override, run_batch
-    from pipelines.batch.executors import RayExecutor, SerialExecutor
-
     from discovery.model.spec import check_dtype
     from pipelines import validate
+    from pipelines.batch import load_spec, override, run_batch
+    from pipelines.batch.executors import RayExecutor, SerialExecutor
 
     validate.out_dir(args.out)
     validate.device(args.device)
