@@ -1,7 +1,18 @@
 """One error type for everything a user can get wrong.
 
 Every user-facing failure is a :class:`GascanError` whose message is one line naming the problem
-and the fix; the command line prints it and exits non-zero (``exit_code``).
+and the fix; the command line prints it as ``gascan: error: ...`` and exits with ``exit_code``:
+
+====  ==========================  ==============================================================
+code  class                       what
+====  ==========================  ==============================================================
+2     :class:`GascanError`        usage: a bad argument or number, an unreadable input file (a
+                                  scan directory, a spec, labels, tables)
+3     :class:`ModelLoadError`     the model: missing, not a recognised format, corrupt, unsafe
+4     :class:`TaskError`          a task name, its options or its data file
+5     :class:`DeviceError`        the device: malformed, or not available in this torch build
+6     :class:`OutputError`        the output path: an existing file, or not writable
+====  ==========================  ==============================================================
 """
 from __future__ import annotations
 
@@ -31,3 +42,15 @@ class TaskError(GascanError):
     """A task specification or data file that cannot be turned into prompts."""
 
     exit_code = 4
+
+
+class DeviceError(GascanError):
+    """A device string that is malformed or names a device this machine (or torch build) lacks."""
+
+    exit_code = 5
+
+
+class OutputError(GascanError):
+    """An output path that cannot be created or written (checked before any work)."""
+
+    exit_code = 6

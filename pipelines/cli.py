@@ -19,8 +19,16 @@ for _name in ("inspect", "tasks", "scan", "bench", "toy", "report", "place", "co
     COMMANDS.add(_name, f"pipelines.commands.{_name}:add_parser")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are one-line :class:`GascanError` s (exit 2), like every other error;
+    subcommand parsers inherit the class."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise GascanError(message, f"see `{self.prog} --help`")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="gascan", description="Find Gather-and-Aggregate heads in language models."
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -35,11 +43,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     if argv == []:  # the main job: scan the bundled default model
         argv = ["scan"]
-    args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return 2
     try:
+        args = parser.parse_args(argv)
+        if not getattr(args, "func", None):
+            parser.print_help()
+            return 2
         return int(args.func(args) or 0)
     except GascanError as err:
         print(f"gascan: error: {err}", file=sys.stderr)

@@ -31,8 +31,9 @@ class ScanOptions:
     def __post_init__(self) -> None:
         if self.ablation not in ABLATION_MODES:
             raise GascanError(f"unknown ablation mode {self.ablation!r}", f"use one of: {', '.join(ABLATION_MODES)}")
-        if self.prompts < 2:
-            raise GascanError(f"--prompts {self.prompts} is too few", "use at least 2 prompts (64 is the default)")
+        from pipelines.validate import prompts
+
+        prompts(self.prompts)  # 2 .. MAX_PROMPTS
 
     def options_for(self, task: str) -> dict[str, Any]:
         """The task generator's options: seed and prompt count, then the task's own options."""

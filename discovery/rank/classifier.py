@@ -493,9 +493,13 @@ def load_tables(paths: Iterable[str | Path]) -> pl.DataFrame:
         table = p / "heads.parquet" if p.is_dir() else p
         if not table.is_file():
             raise GascanError(f"no head table at {p}", "pass heads.parquet files or scan directories")
-        frame = pl.read_parquet(table)
-        summary_path = table.parent / "summary.json"
-        summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
+        try:
+            frame = pl.read_parquet(table)
+            summary_path = table.parent / "summary.json"
+            summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
+        except (OSError, ValueError, pl.exceptions.PolarsError) as err:  # garbage files: one line naming them
+            raise GascanError(f"cannot read the head table {table} ({err.__class__.__name__})",
+                              "pass heads.parquet files or scan directories written by gascan scan") from None
         frames.append(attach_clean(frame, summary))
     if not frames:
         raise GascanError("no head tables given", "pass one or more heads.parquet files or scan directories")

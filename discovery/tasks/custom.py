@@ -50,6 +50,9 @@ def row_to_prompt(rec: dict, row: int, source: str) -> Prompt:
     gold = rec["gold"]
     if not isinstance(gold, int) or isinstance(gold, bool):
         raise BadRow("gold must be an integer index into candidates")
+    if not 0 <= gold < len(cands):
+        raise BadRow(f"gold {gold} is out of range for {len(cands)} candidates (0–{len(cands) - 1})"
+                     if cands else "candidates is empty")
     gseg = rec.get("gold_segment")
     if gseg is not None and (not isinstance(gseg, int) or isinstance(gseg, bool)):
         raise BadRow("gold_segment must be an integer index into segments")

@@ -46,9 +46,16 @@ def run(args: argparse.Namespace) -> int:
 
     from rich.console import Console
 
+    from discovery.model.spec import check_dtype
+    from pipelines import validate
     from pipelines.batch import load_spec, override, run_batch
     from pipelines.batch.executors import RayExecutor, SerialExecutor
 
+    validate.out_dir(args.out)
+    validate.device(args.device)
+    for flag, value in (("--workers", args.workers), ("--threads", args.threads), ("--layers-per-shard",
+                                                                                   args.layers_per_shard)):
+        validate.positive(value, flag)
     console = Console(stderr=True)
     spec = load_spec(args.spec)
     tasks = None
@@ -58,6 +65,11 @@ def run(args: argparse.Namespace) -> int:
         tasks = [resolve_task(t, Path.cwd()) for t in args.task]
     spec = override(spec, tasks=tasks, ablation=args.ablation, prompts=args.prompts, seed=args.seed,
                     layers_per_shard=args.layers_per_shard, device=args.device)
+    check_dtype(spec.load.dtype)
+    validate.device(spec.load.device)
+    validate.tasks(spec.tasks, lambda task: spec.scan.task_options.get(task, {}), n=spec.scan.prompts,
+                   seed=spec.scan.seed)
+    validate.device_available(spec.load.device)
     if args.executor == "ray":
         executor = RayExecutor(address=args.ray_address, workers=args.workers, gpus_per_worker=args.gpus_per_worker,
                                max_retries=args.max_retries)

@@ -57,14 +57,24 @@ def _tables_and_labels(parser: argparse.ArgumentParser, required: bool = True) -
     parser.add_argument("--no-published", action="store_true", help="do not add the published heads' labels")
 
 
+def _check_inputs(args: argparse.Namespace) -> None:
+    """Tables and label files readable, before polars and the classifier are imported."""
+    from pipelines import validate
+
+    validate.head_tables(args.tables)
+    for path in args.labels:
+        validate.json_file(path, "labels file")
+
+
 def _labelled(args: argparse.Namespace):
     from discovery.rank.classifier import label_rows, load_tables, published_labels, read_labels
+    from pipelines import validate
     from pipelines.classifier_data import labels_for_dirs, labels_from_truth
 
     frame = load_tables(args.tables)
     labels: list[dict] = []
     for path in args.labels:
-        data = json.loads(Path(path).read_text()) if Path(path).is_file() else None
+        data = validate.json_file(path, "labels file")
         if isinstance(data, dict) and ("gather" in data or "aggregate" in data) and "labels" not in data:
             labels += labels_from_truth(path)
         else:
@@ -82,6 +92,11 @@ def _labelled(args: argparse.Namespace):
 
 
 def run_train(args: argparse.Namespace) -> int:
+    from pipelines import validate
+
+    _check_inputs(args)
+    validate.out_file(args.out)
+    validate.out_file(args.save_table, "--save-table")
     from discovery.rank.classifier import leave_one_model_out, save_classifier, train_classifier
 
     labelled = _labelled(args)
@@ -140,6 +155,7 @@ def _print_lomo(lomo) -> None:
 
 
 def run_eval(args: argparse.Namespace) -> int:
+    _check_inputs(args)
     from discovery.rank.classifier import leave_one_model_out, shipped_training_rows
 
     labelled = _labelled(args) if args.tables else shipped_training_rows()
@@ -152,6 +168,10 @@ def run_eval(args: argparse.Namespace) -> int:
 
 
 def run_planted(args: argparse.Namespace) -> int:
+    from pipelines import validate
+
+    validate.prompts(args.prompts)
+    validate.out_dir(args.out, "OUT")
     from pipelines.classifier_data import build_planted_set
 
     dirs = build_planted_set(args.out, prompts=args.prompts, progress=print)
@@ -160,6 +180,10 @@ def run_planted(args: argparse.Namespace) -> int:
 
 
 def run_show(args: argparse.Namespace) -> int:
+    if args.path is not None:
+        from pipelines import validate
+
+        validate.json_file(args.path, "classifier file")
     from discovery.rank.classifier import load_classifier
 
     clf = load_classifier(args.path)

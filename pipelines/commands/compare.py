@@ -21,6 +21,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import json
 
+    from pipelines import validate
+
+    for path in args.dirs:
+        validate.scan_dir(path)
+    validate.out_dir(args.out)
     from discovery.report import fmt
     from discovery.report.compare import COLUMNS, compare_scans, write_comparison
 

@@ -16,6 +16,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pipelines import validate
+
+    validate.model(args.model, dtype=args.dtype, device_name=args.device, allow_pickle=args.allow_pickle,
+                   trust_remote_code=args.trust_remote_code)
+    validate.device_available(args.device)
     lm = load_from_args(args)
     inv = lm.inventory
     if args.json:

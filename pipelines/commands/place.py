@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 
+from discovery.errors import GascanError
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
@@ -18,15 +20,31 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
+def _units(scan, unit: str) -> int:
+    """How many layers or heads the scanned model has (summary.json, else the head table)."""
+    summary = scan.summary
+    if unit == "layer":
+        return int(summary.get("n_layers") or scan.heads["layer"].n_unique())
+    return int(sum((summary.get("n_heads") or {}).values()) or scan.heads.select("layer", "head", "kind").n_unique())
+
+
 def run(args: argparse.Namespace) -> int:
     import json
 
+    from pipelines import validate
+
+    validate.scan_dir(args.dir)
+    validate.positive(args.budget, "--budget")
     from discovery.artifacts import read_scan
     from discovery.rank.placement import default_budget, place
     from discovery.report import scored_heads
 
     scan = read_scan(args.dir)
     budget = args.budget if args.budget is not None else default_budget(scan.summary, args.unit)
+    available = _units(scan, args.unit)
+    if budget > available:  # an error, not a clamp: a budget beyond the model is a wrong number
+        raise GascanError(f"--budget {budget} exceeds the {available} {args.unit}s of "
+                          f"{scan.summary.get('model') or args.dir}", f"pass --budget {available} or less")
     choices = place(scored_heads(scan), scan.summary, scan.pairs, budget=budget, unit=args.unit)
     if args.json:
         print(json.dumps([c.as_dict() for c in choices], indent=1))

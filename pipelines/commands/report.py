@@ -24,6 +24,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pipelines import validate
+
+    validate.scan_dir(args.dir)
+    rerun = args.rerun or ("pairs" if args.pairs else None)
+    if args.load_model or rerun:
+        validate.device_available(args.device)
     from discovery.artifacts import read_scan
     from discovery.model.loading import load_model
     from pipelines import pipeline

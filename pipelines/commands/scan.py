@@ -37,7 +37,31 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
+def check(args: argparse.Namespace) -> list[str]:
+    """Everything about the arguments that can fail, before the model loads; returns the tasks."""
+    from pipelines import validate
+
+    validate.prompts(args.prompts)
+    validate.positive(args.max_memory, "--max-memory")
+    validate.out_dir(args.out)
+    validate.model(args.model, dtype=args.dtype, device_name=args.device, allow_pickle=args.allow_pickle,
+                   trust_remote_code=args.trust_remote_code)
+    tasks = args.task or list(_DEFAULTS.tasks)
+    from discovery.tasks import load_task_options, parse_task_options  # imports torch
+
+    given = parse_task_options(args.task_option or [])
+
+    def options_for(task: str) -> dict[str, Any]:
+        from_file = load_task_options(args.task_options, task.partition(":")[0]) if args.task_options else {}
+        return {**from_file, **given}
+
+    validate.tasks(tasks, options_for, n=args.prompts, seed=args.seed)
+    validate.device_available(args.device)
+    return tasks
+
+
 def run(args: argparse.Namespace) -> int:
+    tasks = check(args)
     from rich.console import Console
     from rich.markup import escape
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -46,7 +70,6 @@ def run(args: argparse.Namespace) -> int:
     from pipelines import pipeline
 
     console = Console(stderr=True, emoji=False)
-    tasks = args.task or list(_DEFAULTS.tasks)
     given = parse_task_options(args.task_option or [])
     with console.status("loading model"):
         lm = load_options(args).load(args.model)

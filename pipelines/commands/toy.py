@@ -10,7 +10,6 @@ import argparse
 from pathlib import Path
 
 from discovery.errors import GascanError
-from discovery.tasks.definition import parse_task_options
 from discovery.toy.config import SSM_INITS, TrainConfig
 
 
@@ -105,6 +104,8 @@ def _add_recipe_args(t: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace):
     """A validated TrainConfig from parsed arguments (one-line GascanError on bad input)."""
+    from discovery.tasks.definition import parse_task_options  # imports torch: not at parser time
+
     cfg = TrainConfig(
         arch=args.arch, task=args.task, seed=args.seed, steps=args.steps, batch_size=args.batch_size,
         lr=args.lr, weight_decay=args.weight_decay, decay_steps=args.decay_steps, init_std=args.init_std, layers=args.layers,
@@ -153,6 +154,11 @@ def run_truth(args: argparse.Namespace) -> int:
     """``gascan toy truth``: ground truth by exhaustive single-head ablation (see discovery.truth)."""
     from pathlib import Path
 
+    from pipelines import validate
+
+    validate.prompts(args.prompts)
+    validate.out_file(args.out)
+    validate.model(args.model)
     from rich.console import Console
 
     from discovery.io import write_json
