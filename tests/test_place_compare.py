@@ -120,6 +120,11 @@ def test_compare_series_and_depths(tmp_path, capsys):
     assert main(["compare", *dirs, "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [r["step"] for r in rows] == [300, 600, 1200]
+    # piped (capsys is not a terminal): one record per row, every value whole (no column cut to "m…")
+    assert main(["compare", *dirs]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("[") >= 3 and "[3/3]" in printed and "…" not in printed
+    assert "  aggregate head: L3H2" in printed and "  step: 1200" in printed
 
 
 def test_compare_escapes_model_names(tmp_path):

@@ -86,6 +86,10 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"{result.total} shards: {result.ran} ran, {result.skipped} already done, "
                   f"{len(result.failures)} failed; {summary['heads_rows']} head rows in "
                   f"{Path(args.out) / 'heads.parquet'} ({summary['wall_seconds']:.1f} s)")
+    executor_stats = summary.get("executor") or {}
+    if executor_stats.get("worker_deaths"):
+        console.print(f"[yellow]{executor_stats['worker_deaths']} worker process(es) died[/yellow]; "
+                      f"{executor_stats.get('resubmitted', 0)} shard(s) resubmitted to fresh workers")
     for failure in result.failures:
         console.print(f"[red]failed[/red] {failure['shard']} after {failure['attempts']} attempt(s): "
                       f"{failure['reason']}")

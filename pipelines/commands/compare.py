@@ -33,17 +33,25 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(table.to_dicts(), indent=1, default=str))
     else:
-        from rich.console import Console
-        from rich.markup import escape
-        from rich.table import Table
+        import sys
 
         cols = [c for c in COLUMNS if c in table.columns]
-        view = Table(title=f"{table.height} scan × task rows")
-        for c in cols:
-            view.add_column(c.replace("_", " "))
-        for r in table.iter_rows(named=True):
-            view.add_row(*[escape(r[c] if isinstance(r[c], str) else fmt(r[c])) for c in cols])
-        Console(emoji=False, highlight=False).print(view)
+        cell = lambda value: value if isinstance(value, str) else fmt(value)  # noqa: E731
+        if not sys.stdout.isatty():  # piped or redirected: one record per row, nothing cut to the terminal width
+            for i, r in enumerate(table.iter_rows(named=True), 1):
+                print(f"[{i}/{table.height}]")
+                print("\n".join(f"  {c.replace('_', ' ')}: {cell(r[c])}" for c in cols))
+        else:
+            from rich.console import Console
+            from rich.markup import escape
+            from rich.table import Table
+
+            view = Table(title=f"{table.height} scan × task rows")
+            for c in cols:
+                view.add_column(c.replace("_", " "), overflow="fold")
+            for r in table.iter_rows(named=True):
+                view.add_row(*[escape(cell(r[c])) for c in cols])
+            Console(emoji=False, highlight=False).print(view)
     if args.out:
         path = write_comparison(table, args.out)
         print(f"wrote {path}")
