@@ -141,7 +141,7 @@ def test_hybrid_gets_separate_attention_and_ssm_maps(tmp_path):
 def test_report_errors_are_one_line(tmp_path, capsys):
     assert main(["report", str(tmp_path / "missing")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "not a scan directory" in err[0]
+    assert len(err) == 1 and "does not exist" in err[0] and "Fix:" in err[0]
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "heads.parquet").write_bytes(b"not parquet")
     (tmp_path / "bad" / "summary.json").write_text("{}")
