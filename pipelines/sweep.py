@@ -7,7 +7,6 @@ the tables afterwards; :mod:`pipelines.pipeline` puts this stage first.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,6 +17,7 @@ from discovery.errors import GascanError
 from discovery.heads import HeadGroup, HeadId
 from discovery.measure.ablation import AblationEngine, Progress, single_head_ablations, stage_ticker
 from discovery.measure.attribution import atp_effects, rank_agreement
+from discovery.measure.cost import Cost, Meter
 from discovery.measure.dla import head_dla
 from discovery.model.loading import LoadedModel
 from discovery.stats import bootstrap_ci
@@ -66,68 +66,84 @@ def _pattern_metrics(lm: LoadedModel, batch: AnnotatedBatch, groups: list[HeadGr
 
 def scan_task(lm: LoadedModel, task_spec: str, options: ScanOptions, *, layers: Sequence[int] | None = None,
               progress: Progress | None = None) -> tuple[pl.DataFrame, dict[str, Any]]:
-    """Scan one task on the heads of ``layers`` (default all): the head table rows and task summary."""
-    batch = task_batch(lm, task_spec, options.options_for(task_spec))
-    inv = lm.inventory
-    wanted = set(range(inv.n_layers) if layers is None else layers)
-    groups = [g for g in inv.groups if g.layer in wanted]
-    heads = [h for g in groups for h in g.heads()]
-    started = time.perf_counter()
-    engine = AblationEngine(lm, batch, max_memory_mb=options.max_memory_mb)
-    clean = {m: float(engine.clean[m].mean()) for m in EFFECT_METRICS}
-    columns: dict[HeadId, dict[str, Any]] = {h: {} for h in heads}
+    """Scan one task on the heads of ``layers`` (default all): the head table rows and task summary.
 
-    if progress:
-        progress("patterns", 0, 1)
-    pattern_values = _pattern_metrics(lm, batch, groups, options.chunk_prompts, progress)
-    dla_values = head_dla(lm, batch, groups)
-    for g in groups:
-        for h in g.heads():
-            for name, values in pattern_values[(g.layer, g.kind)].items():
-                columns[h][name] = values[h.index].item()
-            columns[h]["dla"] = dla_values[(g.layer, g.kind)][h.index].item()
+    The summary's ``forward_flops`` is the matmul FLOPs of one clean forward over the task's prompts (the
+    unit of forward-equivalents) and ``parts`` the cost of each part: clean forward, patterns (with direct
+    logit attribution), each ablation sweep, the attribution screen."""
+    with Meter() as total:
+        batch = task_batch(lm, task_spec, options.options_for(task_spec))
+        inv = lm.inventory
+        wanted = set(range(inv.n_layers) if layers is None else layers)
+        groups = [g for g in inv.groups if g.layer in wanted]
+        heads = [h for g in groups for h in g.heads()]
+        parts: dict[str, Cost] = {}
+        with Meter() as meter:
+            engine = AblationEngine(lm, batch, max_memory_mb=options.max_memory_mb)
+        parts["clean"] = meter.cost
+        clean = {m: float(engine.clean[m].mean()) for m in EFFECT_METRICS}
+        columns: dict[HeadId, dict[str, Any]] = {h: {} for h in heads}
 
-    sweeps = {"exact": [("all", ("all",)), ("query", ("query",))], "query": [("query", ("query",))]}
-    for scope_name, scope in sweeps.get(options.ablation, []):
-        ablations = single_head_ablations(heads, "zero", scope)
-        tick = stage_ticker(progress, f"ablation ({scope_name})", len(ablations))
-        effects = engine.effects(ablations, engine.run(ablations, progress=tick))
-        for metric, short in EFFECT_METRICS.items():
-            mean, lo, hi = bootstrap_ci(effects[metric], options.bootstrap, seed=options.seed)
-            for i, h in enumerate(heads):
-                columns[h][f"d_{short}_{scope_name}"] = mean[i].item()
-                columns[h][f"d_{short}_{scope_name}_lo"] = lo[i].item()
-                columns[h][f"d_{short}_{scope_name}_hi"] = hi[i].item()
-
-    screen = None
-    if options.ablation in ("exact", "query", "atp"):
-        # AtP with the QK fix: every head's all-position zero-ablation effect, ~3.5 forward-equivalents
         if progress:
-            progress("attribution", 0, 1)
-        result = atp_effects(lm, batch, heads=heads, method="zero", scope=("all",), metric="logit_diff", qk_fix=True)
-        estimate = result.estimate.mean(-1)  # [head]
-        if progress:
-            progress("attribution", 1, 1)
-        for i, h in enumerate(result.heads):
-            columns[h]["atp_ld"] = estimate[i].item()
-        screen = {"method": "AtP with the QK fix, zero ablation at all positions, logit difference",
-                  "forward_equivalents": round(result.forward_equivalents, 3), "agreement": None}
-        if options.ablation == "exact":  # the exact sweep ran on the same ablation: how well does AtP rank heads?
-            exact = torch.tensor([columns[h]["d_ld_all"] for h in result.heads])
-            screen["agreement"] = rank_agreement(estimate, exact, k=min(10, len(heads)))
+            progress("patterns", 0, 1)
+        with Meter() as meter:
+            pattern_values = _pattern_metrics(lm, batch, groups, options.chunk_prompts, progress)
+            dla_values = head_dla(lm, batch, groups)
+        parts["patterns"] = meter.cost
+        for g in groups:
+            for h in g.heads():
+                for name, values in pattern_values[(g.layer, g.kind)].items():
+                    columns[h][name] = values[h.index].item()
+                columns[h]["dla"] = dla_values[(g.layer, g.kind)][h.index].item()
 
-    rows = []
-    checkpoint = lm.checkpoint_hash()
-    for h in heads:
-        row = {"model": lm.name, "checkpoint": checkpoint, "task": task_spec, "layer": h.layer, "head": h.index,
-               "kind": h.kind, "depth": _depth(h.layer, inv.n_layers)}
-        for key, value in columns[h].items():
-            row[key] = None if value is None or (isinstance(value, float) and math.isnan(value)) else value
-        rows.append(row)
-    frame = pl.DataFrame(rows, infer_schema_length=None)
+        sweeps = {"exact": [("all", ("all",)), ("query", ("query",))], "query": [("query", ("query",))]}
+        for scope_name, scope in sweeps.get(options.ablation, []):
+            ablations = single_head_ablations(heads, "zero", scope)
+            tick = stage_ticker(progress, f"ablation ({scope_name})", len(ablations))
+            with Meter() as meter:
+                effects = engine.effects(ablations, engine.run(ablations, progress=tick))
+            parts[f"ablation_{scope_name}"] = meter.cost
+            for metric, short in EFFECT_METRICS.items():
+                mean, lo, hi = bootstrap_ci(effects[metric], options.bootstrap, seed=options.seed)
+                for i, h in enumerate(heads):
+                    columns[h][f"d_{short}_{scope_name}"] = mean[i].item()
+                    columns[h][f"d_{short}_{scope_name}_lo"] = lo[i].item()
+                    columns[h][f"d_{short}_{scope_name}_hi"] = hi[i].item()
+
+        screen = None
+        if options.ablation in ("exact", "query", "atp"):
+            # AtP with the QK fix: every head's all-position zero-ablation effect, ~3.5 forward-equivalents
+            if progress:
+                progress("attribution", 0, 1)
+            with Meter() as meter:
+                result = atp_effects(lm, batch, heads=heads, method="zero", scope=("all",), metric="logit_diff",
+                                     qk_fix=True)
+            parts["attribution"] = meter.cost
+            estimate = result.estimate.mean(-1)  # [head]
+            if progress:
+                progress("attribution", 1, 1)
+            for i, h in enumerate(result.heads):
+                columns[h]["atp_ld"] = estimate[i].item()
+            screen = {"method": "AtP with the QK fix, zero ablation at all positions, logit difference",
+                      "forward_equivalents": round(result.forward_equivalents, 3), "agreement": None}
+            if options.ablation == "exact":  # the exact sweep ran on the same ablation: how well does AtP rank heads?
+                exact = torch.tensor([columns[h]["d_ld_all"] for h in result.heads])
+                screen["agreement"] = rank_agreement(estimate, exact, k=min(10, len(heads)))
+
+        rows = []
+        checkpoint = lm.checkpoint_hash()
+        for h in heads:
+            row = {"model": lm.name, "checkpoint": checkpoint, "task": task_spec, "layer": h.layer, "head": h.index,
+                   "kind": h.kind, "depth": _depth(h.layer, inv.n_layers)}
+            for key, value in columns[h].items():
+                row[key] = None if value is None or (isinstance(value, float) and math.isnan(value)) else value
+            rows.append(row)
+        frame = pl.DataFrame(rows, infer_schema_length=None)
+    unit = parts["clean"].flops
     summary = {"task": task_spec, "options": options.options_for(task_spec), "n_prompts": len(batch),
-               "clean": clean, "seconds": round(time.perf_counter() - started, 2),
-               "layer_rows": engine.layer_rows, "attribution": screen}
+               "clean": clean, "seconds": round(total.cost.wall_s, 2),
+               "layer_rows": engine.layer_rows, "attribution": screen, "forward_flops": unit,
+               "cost": total.cost.record(unit), "parts": {k: c.record(unit) for k, c in parts.items()}}
     return frame, summary
 
 
@@ -146,10 +162,15 @@ def scan_model(lm: LoadedModel, options: ScanOptions, *, layers: Sequence[int] |
     """Scan every task of ``options``; one table for all tasks and the model summary."""
     frames, tasks = [], {}
     for task in options.tasks:
-        frame, summary = scan_task(lm, task, options, layers=layers, progress=progress)
+        frame, tasks[task] = scan_task(lm, task, options, layers=layers, progress=progress)
         frames.append(frame)
-        tasks[task] = summary
-    heads = pl.concat(frames, how="diagonal_relaxed") if frames else pl.DataFrame()
+    return model_scan(lm, options, frames, tasks)
+
+
+def model_scan(lm: LoadedModel, options: ScanOptions, frames: Sequence[pl.DataFrame],
+               tasks: dict[str, dict[str, Any]]) -> tuple[pl.DataFrame, dict[str, Any]]:
+    """The tasks' head tables as one table, and the model summary around their task summaries."""
+    heads = pl.concat(list(frames), how="diagonal_relaxed") if frames else pl.DataFrame()
     summary = {
         "model": lm.name, "spec": lm.spec, "checkpoint": lm.checkpoint_hash(),
         "architecture": lm.inventory.architecture, "n_layers": lm.inventory.n_layers,

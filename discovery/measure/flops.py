@@ -9,18 +9,38 @@ needs, so this is the bare counter without the tracker.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar, Self
 
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 
 class MatmulFlops(TorchDispatchMode):
-    """``with MatmulFlops() as counter: ...`` then ``counter.total`` (FLOPs, 2 per multiply-add)."""
+    """``with MatmulFlops() as counter: ...`` then ``counter.total`` (FLOPs, 2 per multiply-add).
+
+    Counters nest: an operator run inside two counters adds to both. :meth:`current` is the innermost
+    counter entered (in this process), so a meter can read an enclosing counter instead of adding one.
+    """
+
+    _entered: ClassVar[list[MatmulFlops]] = []
 
     def __init__(self) -> None:
         super().__init__()
         self.total = 0
+
+    def __enter__(self) -> Self:
+        MatmulFlops._entered.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        if MatmulFlops._entered and MatmulFlops._entered[-1] is self:
+            MatmulFlops._entered.pop()
+
+    @classmethod
+    def current(cls) -> MatmulFlops | None:
+        """The innermost counter now counting, or None."""
+        return cls._entered[-1] if cls._entered else None
 
     def __torch_dispatch__(self, func, types, args: tuple = (), kwargs: dict[str, Any] | None = None):
         kwargs = kwargs or {}
