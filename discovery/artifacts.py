@@ -9,12 +9,18 @@ Files (all optional but ``heads.parquet`` and ``summary.json``):
   per-task clean scores, and the fields each later stage merges in: ``evidence``, ``top_pairs``,
   ``verdict``, ...);
 - ``evidence*.parquet`` (the evidence stage), ``pairs.parquet`` (the pair ranking);
-- ``patterns.npz`` (the report's example pattern), ``report.md``, ``report.html``, ``figures/``.
+- ``patterns.npz`` (the report's example pattern), ``report.md``, ``report.html``, ``figures/``;
+- ``.gascan-scan/STAGE.done.json``: each finished stage's completion marker (the scan's fingerprint key,
+  the files the stage wrote with their sizes, its cost), written after the stage's files; a stage is complete
+  when its marker agrees with the files. ``summary.json``'s ``stages`` mirrors the markers and ``complete``
+  says whether every stage is (:func:`sync_stages`), so a rerun resumes at the first incomplete stage.
 """
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+import shutil
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +36,9 @@ PAIRS_FILE = "pairs.parquet"
 PATTERNS_FILE = "patterns.npz"
 EVIDENCE_TABLES = ("evidence", "evidence_groups", "evidence_depth", "evidence_reads")
 EVIDENCE_JOIN = ("task", "layer", "head", "kind")
+REPORT_FILES = ("report.md", "report.html")
+STAGE_DIR = ".gascan-scan"
+MARKER_SUFFIX = ".done.json"
 
 
 @dataclass
@@ -152,3 +161,93 @@ def jsonable(value: Any) -> Any:
     if hasattr(value, "item") and callable(value.item):  # numpy / torch scalars
         return jsonable(value.item())
     return value
+
+
+# -- stage markers ---------------------------------------------------------------------------------
+def marker_path(out_dir: str | Path, stage: str) -> Path:
+    return Path(out_dir) / STAGE_DIR / f"{stage}{MARKER_SUFFIX}"
+
+
+def write_marker(out_dir: str | Path, stage: str, key: str | None, files: Sequence[str],
+                 record: Mapping[str, Any]) -> dict[str, Any]:
+    """The completion marker of ``stage``: written (atomically) after the stage's ``files``."""
+    out = Path(out_dir)
+    info = {"stage": stage, "key": key, "files": {name: (out / name).stat().st_size for name in files},
+            "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "record": jsonable(dict(record))}
+    write_json(marker_path(out, stage), info)
+    return info
+
+
+def read_marker(out_dir: str | Path, stage: str, key: str | None = None) -> dict[str, Any] | None:
+    """The marker of ``stage`` when the stage is complete: the marker is there, names ``key`` (when given)
+    and every file it lists has the size it had; else None."""
+    out = Path(out_dir)
+    try:
+        info = json.loads(marker_path(out, stage).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(info, dict) or (key is not None and info.get("key") != key):
+        return None
+    for name, size in (info.get("files") or {}).items():
+        path = out / name
+        if not path.is_file() or path.stat().st_size != size:
+            return None
+    return info
+
+
+def drop_markers(out_dir: str | Path, stages: Sequence[str]) -> None:
+    """Forget that ``stages`` finished (before they run again, so a stop midway leaves them incomplete)."""
+    for stage in stages:
+        marker_path(out_dir, stage).unlink(missing_ok=True)
+
+
+def sync_stages(out_dir: str | Path, stages: Sequence[str], key: str | None = None) -> dict[str, Any]:
+    """Mirror the markers into ``summary.json``: ``stages`` (per stage ``complete`` and its cost record) and
+    ``complete`` (every stage is); returns the new summary."""
+    records: dict[str, Any] = {}
+    for stage in stages:
+        info = read_marker(out_dir, stage, key)
+        records[stage] = {"complete": True, **info["record"]} if info else {"complete": False}
+    return update_summary(out_dir, {"stages": records, "complete": all(r["complete"] for r in records.values())})
+
+
+def missing_stages(summary: Mapping[str, Any], skip: Sequence[str] = ()) -> list[str]:
+    """The stages ``summary.json`` lists as incomplete ([] for a scan written before stages were recorded)."""
+    stages = summary.get("stages") or {}
+    return [name for name, rec in stages.items() if name not in skip and not (rec or {}).get("complete")]
+
+
+def drop_parts(out_dir: str | Path, n: int) -> None:
+    """Remove the sweep's per-task parts (``STAGE_DIR/sweep-taskI``: table and marker) once the sweep committed."""
+    for i in range(n):
+        (Path(out_dir) / STAGE_DIR / f"sweep-task{i}.parquet").unlink(missing_ok=True)
+        marker_path(out_dir, f"sweep-task{i}").unlink(missing_ok=True)
+
+
+SCAN_FILES = (HEADS_FILE, SUMMARY_FILE, PAIRS_FILE, PATTERNS_FILE, *REPORT_FILES,
+              *(f"{name}.parquet" for name in EVIDENCE_TABLES))
+
+
+def clear_scan(out_dir: str | Path) -> None:
+    """Remove what a scan wrote in ``out_dir`` (its known files, ``figures/`` and the markers; nothing else)."""
+    out = Path(out_dir)
+    for name in SCAN_FILES:
+        (out / name).unlink(missing_ok=True)
+    for folder in (out / "figures", out / STAGE_DIR):
+        if folder.is_dir():
+            shutil.rmtree(folder)
+
+
+def stage_rows(summary: Mapping[str, Any]) -> list[tuple[str, float | None, float | None, float | None]]:
+    """The cost table: (stage, wall s, forward-equivalents, peak MiB) per stage, the sweep's parts indented
+    after it (peak: CUDA when the scan ran there, else the process's resident high-water mark)."""
+    def row(name: str, rec: Mapping[str, Any]) -> tuple[str, float | None, float | None, float | None]:
+        peak = rec.get("peak_cuda_mib") if rec.get("peak_cuda_mib") is not None else rec.get("peak_rss_mib")
+        return name, rec.get("wall_s"), rec.get("forward_equivalents"), peak
+
+    rows = []
+    for name, rec in (summary.get("stages") or {}).items():
+        rows.append(row(name, rec or {}))
+        for part, sub in ((rec or {}).get("parts") or {}).items():
+            rows.append(row(f"  {part}", sub or {}))
+    return rows

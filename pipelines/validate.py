@@ -179,9 +179,20 @@ def scan_dir(path: str | os.PathLike) -> None:
     out = Path(path)
     if not out.is_dir():
         raise GascanError(f"scan directory {out} does not exist", "pass the --out directory of `gascan scan`")
+    if (out / "summary.json").is_file() and not (out / "heads.parquet").is_file() and _started_scan(out):
+        raise GascanError(f"the scan in {out} stopped before its sweep finished (no heads.parquet yet)",
+                          f"rerun the same `gascan scan ... --out {out}` to resume it")
     if not (out / "heads.parquet").is_file() or not (out / "summary.json").is_file():
         raise GascanError(f"{out} is not a scan directory (no heads.parquet and summary.json)",
                           "pass the --out directory of `gascan scan`")
+
+
+def _started_scan(out: Path) -> bool:
+    """Whether ``out/summary.json`` is the record a scan writes before its first stage."""
+    try:
+        return "fingerprint" in json.loads((out / "summary.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
 
 
 # -- model and tasks ---------------------------------------------------------------------------------

@@ -198,7 +198,7 @@ def _config_layers(path: Path) -> int:
     return layers
 
 
-def _task_file_hash(task: str) -> str | None:
+def task_file_hash(task: str) -> str | None:
     from discovery.tasks import split_spec
 
     _, path = split_spec(task)
@@ -222,7 +222,7 @@ def shard_key(checkpoint_hash: str, task: str, options: ScanOptions, layers: tup
     scan = {k: v for k, v in options.as_dict().items() if k not in ("tasks", "task_options", *NOT_IN_KEY)}
     payload = {
         "checkpoint": checkpoint_hash, "task": task, "task_options": options.options_for(task),
-        "task_file": _task_file_hash(task), "scan": scan, "layers": layers, "n_layers": n_layers,
+        "task_file": task_file_hash(task), "scan": scan, "layers": layers, "n_layers": n_layers,
         "load": {k: v for k, v in asdict(load).items() if k not in NOT_IN_KEY},
         "gascan": version, "table_version": TABLE_VERSION,
     }

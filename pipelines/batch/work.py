@@ -105,8 +105,9 @@ def finish_checkpoint(shard: Shard, cache: ModelCache) -> ShardResult:
     import io
     import tempfile
 
-    from discovery.artifacts import write_scan
-    from pipelines import pipeline
+    from discovery.artifacts import HEADS_FILE, write_scan
+    from discovery.measure.cost import Cost
+    from pipelines import pipeline, resume
 
     if shard.inputs is None:
         raise ValueError(f"finish shard {shard.label} carries no sweep tables")
@@ -116,7 +117,12 @@ def finish_checkpoint(shard: Shard, cache: ModelCache) -> ShardResult:
                           "rerun the batch (the changed checkpoint is rescanned)")
     heads = pl.read_parquet(io.BytesIO(shard.inputs["heads"]))
     with tempfile.TemporaryDirectory(prefix="gascan-finish-") as tmp:
-        write_scan(tmp, heads, shard.inputs["summary"])
+        summary = shard.inputs["summary"]
+        write_scan(tmp, heads, {**summary, "stages": {}})
+        # the sweep ran as shards: mark it complete with their seconds, so each later stage records its cost
+        seconds = sum(float(t.get("seconds") or 0) for t in (summary.get("tasks") or {}).values())
+        resume.commit(tmp, "sweep", pipeline.STAGES, None, [HEADS_FILE], Cost(wall_s=seconds), None,
+                      resume.new_run_id(), sharded=True)
         result = pipeline.finish(lm, tmp, report=True)
         root = Path(tmp)
         files = {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))

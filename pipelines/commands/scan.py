@@ -34,6 +34,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-memory", type=float, default=_DEFAULTS.max_memory_mb, metavar="MB",
                         help="memory budget for batched ablation rows, in MiB (default: 512 rows)")
     parser.add_argument("--no-report", action="store_true", help="write the tables and the verdict only")
+    parser.add_argument("--force", action="store_true",
+                        help="start over in --out, removing the scan there (by default a rerun of the same scan "
+                        "resumes at its first incomplete stage, and a scan of other options is refused)")
     parser.set_defaults(func=run)
 
 
@@ -56,6 +59,10 @@ def check(args: argparse.Namespace) -> list[str]:
         return {**from_file, **given}
 
     validate.tasks(tasks, options_for, n=args.prompts, seed=args.seed)
+    from pipelines.resume import precheck
+
+    precheck(args.out, force=args.force, tasks=tasks, ablation=args.ablation, prompts=args.prompts, seed=args.seed,
+             given=given)
     validate.device_available(args.device)
     return tasks
 
@@ -89,7 +96,11 @@ def run(args: argparse.Namespace) -> int:
                 ids[stage] = bar.add_task(stage, total=total)
             bar.update(ids[stage], completed=done, total=total)
 
-        result = pipeline.run(lm, options, args.out, progress=progress, report=not args.no_report)
+        result = pipeline.run(lm, options, args.out, progress=progress, report=not args.no_report, force=args.force)
+    done = [s for s in pipeline.STAGES if s not in result.ran and result.summary["stages"][s]["complete"]]
+    if done:
+        console.print(f"resumed: {', '.join(done)} complete from an earlier run"
+                      + (f"; ran {', '.join(result.ran)}" if result.ran else "; nothing left to run"))
     for task, info in result.summary["tasks"].items():
         clean = info["clean"]
         console.print(f"{task}: accuracy {clean['acc']:.3f}, logit diff {clean['logit_diff']:.3f} "
@@ -99,4 +110,31 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"report: {result.report}")
     console.print(f"wrote {result.out / 'heads.parquet'} ({result.heads.height} rows) and "
                   f"{result.out / 'summary.json'}")
+    print_stage_table(console, result.summary)
     return 0
+
+
+def print_stage_table(console: Any, summary: dict[str, Any]) -> None:
+    """What each stage cost: a rich table in a terminal, one plain line per stage otherwise."""
+    from discovery.artifacts import stage_rows
+
+    rows = stage_rows(summary)
+    if not rows:
+        return
+    def fmt(value: float | None, spec: str) -> str:
+        return "–" if value is None else format(value, spec)
+
+    cells = [(name, fmt(wall, ".2f"), fmt(fe, ".1f"), fmt(peak, ".0f")) for name, wall, fe, peak in rows]
+    header = ("stage", "wall s", "forward-equivalents", "peak MiB")
+    if console.is_terminal:
+        from rich.table import Table
+
+        table = Table(*header, title="cost per stage")
+        for row in cells:
+            table.add_row(*row)
+        console.print(table)
+        return
+    width = max(len(c[0]) for c in cells)
+    console.print(f"{header[0]:<{width}}  {header[1]:>8}  {header[2]:>19}  {header[3]:>8}", highlight=False)
+    for name, wall, fe, peak in cells:
+        console.print(f"{name:<{width}}  {wall:>8}  {fe:>19}  {peak:>8}", highlight=False, markup=False)

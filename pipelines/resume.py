@@ -1,0 +1,155 @@
+"""Resuming a scan: its fingerprint, where a rerun on the same directory starts, and each stage's commit.
+
+A scan records its **fingerprint** in ``summary.json`` before its first stage: the scan options (without
+execution settings), the checkpoint's content hash, the dtype, the head inventory, the content of task
+files and the gascan version; its ``key`` is their sha256. Each stage commits by writing its files
+(atomically), then its completion marker holding that key and its cost (:func:`commit`), then
+``summary.json``'s ``stages``. A rerun of the same scan on the same directory starts at the first stage
+without a valid marker (:func:`start_stage`); a directory that holds a scan of other options or another
+checkpoint is refused up front, unless ``force`` starts over.
+
+``GASCAN_TEST_INTERRUPT=STAGE:SIGNAL`` (tests only) makes the process send itself SIGINT or SIGKILL once
+STAGE has written its files and before its marker, the worst moment to stop (:func:`test_interrupt`).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import uuid
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from discovery.artifacts import (
+    clear_scan,
+    drop_markers,
+    jsonable,
+    read_marker,
+    read_summary,
+    sync_stages,
+    write_marker,
+)
+from discovery.errors import OutputError
+from discovery.measure.cost import Cost
+from pipelines.options import TABLE_VERSION, ScanOptions
+
+TEST_HOOK = "GASCAN_TEST_INTERRUPT"
+EXECUTION_SETTINGS = ("max_memory_mb",)  # change how a scan runs, not what it computes
+FIX = "pass --force to start over, or choose another --out"
+
+
+def new_run_id() -> str:
+    """An id for one invocation; each stage's record names the run that computed it."""
+    return uuid.uuid4().hex[:12]
+
+
+def fingerprint(lm, options: ScanOptions) -> dict[str, Any]:
+    """What a scan's results depend on, and ``key``, its sha256."""
+    from pipelines.batch.shards import task_file_hash
+    from pipelines.batch.spec import gascan_version
+
+    scan = {k: v for k, v in options.as_dict().items() if k not in EXECUTION_SETTINGS}
+    dtype = str(next(lm.model.parameters()).dtype).removeprefix("torch.")
+    body = {"options": jsonable(scan), "checkpoint": lm.checkpoint_hash(), "dtype": dtype,
+            "heads": lm.inventory.n_heads(), "n_layers": lm.inventory.n_layers,
+            "task_files": {t: task_file_hash(t) for t in options.tasks},
+            "table_version": TABLE_VERSION, "gascan": gascan_version()}
+    key = hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
+    return {**body, "key": key}
+
+
+def difference(old: Mapping[str, Any], new: Mapping[str, Any], prefix: str = "") -> str | None:
+    """The first field where two fingerprints differ, in words (None when they agree)."""
+    for name in sorted(set(old) | set(new)):
+        if name == "key":
+            continue
+        a, b = old.get(name), new.get(name)
+        if isinstance(a, Mapping) and isinstance(b, Mapping):
+            found = difference(a, b, f"{prefix}{name}.")
+            if found:
+                return found
+        elif a != b:
+            return f"{prefix}{name} {json.dumps(a, default=str)[:60]}, now {json.dumps(b, default=str)[:60]}"
+    return None
+
+
+def _refuse(out: Path, what: str) -> OutputError:
+    return OutputError(f"--out {out} holds {what}", FIX)
+
+
+def start_stage(out: str | Path, fp: Mapping[str, Any], stages: Sequence[str], *, force: bool = False) -> str | None:
+    """The first stage a scan with fingerprint ``fp`` must run in ``out`` (None: every stage is complete).
+
+    A new or emptied directory starts at the first stage; a directory that holds this scan resumes; one
+    holding another scan (other options, another checkpoint, or no fingerprint) is refused, unless ``force``
+    clears it (gascan's own files only)."""
+    out = Path(out)
+    if force:
+        clear_scan(out)
+        return stages[0]
+    summary = read_summary(out)
+    if not summary:
+        return stages[0]
+    old = summary.get("fingerprint")
+    if not isinstance(old, Mapping):
+        raise _refuse(out, "a scan without a resume record (written by an older gascan or by gascan batch)")
+    if old.get("key") != fp["key"]:
+        raise _refuse(out, f"a scan with other settings ({difference(old, fp) or 'another fingerprint'})")
+    for stage in stages:
+        if read_marker(out, stage, fp["key"]) is None:
+            return stage
+    return None
+
+
+def precheck(out: str | Path, *, force: bool, tasks: Sequence[str], ablation: str, prompts: int, seed: int,
+             given: Mapping[str, Any]) -> None:
+    """Before the model loads: refuse a directory whose scan was asked with other command-line options
+    (the full fingerprint, checkpoint included, is checked once the model is loaded)."""
+    if force:
+        return
+    summary = read_summary(out)
+    if not summary:
+        return
+    old = summary.get("fingerprint")
+    if not isinstance(old, Mapping):
+        raise _refuse(Path(out), "a scan without a resume record (written by an older gascan or by gascan batch)")
+    opts = old.get("options") or {}
+    asked = {"tasks": list(tasks), "ablation": ablation, "prompts": prompts, "seed": seed}
+    for name, value in asked.items():
+        if opts.get(name) != value:
+            raise _refuse(Path(out), f"a scan with {name} {json.dumps(opts.get(name))}, not {json.dumps(value)}")
+    for task in tasks:
+        held = (opts.get("task_options") or {}).get(task) or {}
+        for name, value in given.items():
+            if name not in held or str(held[name]) != str(value):
+                raise _refuse(Path(out), f"a scan with {task} option {name}={held.get(name)!r}, not {value!r}")
+
+
+def begin(out: str | Path, fp: Mapping[str, Any], stages: Sequence[str], start: str) -> None:
+    """Before ``start`` runs: forget the markers from ``start`` on, and (starting afresh) record the
+    fingerprint in a new ``summary.json``."""
+    from discovery.artifacts import update_summary
+
+    drop_markers(out, stages[stages.index(start):])
+    if start == stages[0]:
+        update_summary(out, {"fingerprint": fp})
+    sync_stages(out, stages, fp.get("key"))
+
+
+def test_interrupt(stage: str) -> None:
+    """Tests only: stop this process as ``GASCAN_TEST_INTERRUPT=STAGE:INT|KILL`` asks, once ``stage`` wrote its files."""
+    wanted = os.environ.get(TEST_HOOK, "")
+    name, _, sig = wanted.partition(":")
+    if wanted and name == stage:
+        os.kill(os.getpid(), signal.SIGKILL if sig.upper() in ("KILL", "SIGKILL") else signal.SIGINT)
+
+
+def commit(out: str | Path, stage: str, stages: Sequence[str], key: str | None, files: Sequence[str], cost: Cost,
+           unit_flops: float | None, run: str, **extra: Any) -> dict[str, Any]:
+    """Finish ``stage``: its completion marker (after its ``files``), then ``summary.json``'s ``stages``."""
+    test_interrupt(stage)
+    record = {**cost.record(unit_flops), "run": run, **extra}
+    write_marker(out, stage, key, files, record)
+    return sync_stages(out, stages, key)
