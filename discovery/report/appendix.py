@@ -6,7 +6,7 @@ from typing import Any
 
 import polars as pl
 
-from discovery.artifacts import Scan
+from discovery.artifacts import Scan, stage_rows
 from discovery.rank.verdict import Verdict
 from discovery.report.common import Figure, Section, Table, drop_ci, head_name, show_token
 from discovery.report.example import example_for_report
@@ -35,6 +35,22 @@ def clean_section(scan: Scan) -> Section:
                      info.get("seconds")])
     return Section("Clean scores", tables=[Table(["task", "prompts", "accuracy", "logit diff", "gold log-prob",
                                                   "seconds"], rows)])
+
+
+def cost_section(scan: Scan) -> Section | None:
+    """What each stage cost (summary.json's stages); None for a scan from before stages were recorded."""
+    def num(value: float | None, digits: int) -> str:
+        return "–" if value is None else f"{value:.{digits}f}"
+
+    rows = [[f"sweep: {name.strip()}" if name.startswith(" ") else name, num(wall, 2), num(fe, 1), num(peak, 0)]
+            for name, wall, fe, peak in stage_rows(scan.summary)]
+    if not rows:
+        return None
+    return Section("Cost per stage", [
+        "Wall seconds, forward-equivalents (counted matmul FLOPs over one clean forward over the scan's prompts) "
+        "and peak memory in MiB (CUDA peak when the scan ran there, else the process's resident high-water mark) "
+        "of each stage, then the sweep's parts. The report stage's own cost is recorded in summary.json once "
+        "it is written."], tables=[Table(["stage", "wall s", "forward-equivalents", "peak MiB"], rows)])
 
 
 def _rank_in(frame: pl.DataFrame, column: str, value: float | None) -> int | None:
@@ -153,6 +169,9 @@ def build_appendix(scan: Scan, heads: pl.DataFrame, n_layers: int, verdict: Verd
     if roles:
         sections.append(roles)
     sections += [top_heads_section(scan, heads), decoys_section(scan, heads, verdict), clean_section(scan)]
+    cost = cost_section(scan)
+    if cost:
+        sections.append(cost)
     sections += figure_sections(scan, heads, n_layers, verdict)
     sections += [example_section(scan, heads, lm), placement_section(scan, heads), classifier_section(scan, heads)]
     published = published_section(heads)

@@ -12,7 +12,7 @@ from typing import Any
 
 import polars as pl
 
-from discovery.artifacts import Scan
+from discovery.artifacts import Scan, missing_stages
 from discovery.rank.verdict import Verdict, decide, drop
 from discovery.report.common import Figure, Table, drop_ci, fmt, head_name, parse_head, signed
 from discovery.report.figures import effect_map_figure
@@ -55,6 +55,19 @@ class FirstScreen:
     figure_note: str = ""
     table: Table | None = None
     table_note: str = ""
+    incomplete: str = ""  # the report's first line when stages of the scan did not finish
+
+
+def incomplete_line(scan: Scan) -> str:
+    """"Incomplete scan: ..." naming the stages that did not finish ("" for a complete scan). The report
+    stage is being written, so it is not one of them."""
+    missing = missing_stages(scan.summary, skip=("report",))
+    if not missing:
+        return ""
+    names = ", ".join(missing)
+    return (f"Incomplete scan: the {names} stage{'s' if len(missing) > 1 else ''} did not finish, so this report "
+            f"lacks {'their' if len(missing) > 1 else 'its'} results. Rerun the same gascan scan command with this "
+            "--out to resume.")
 
 
 def facts_line(scan: Scan) -> str:
@@ -141,7 +154,8 @@ def ranked_table(scan: Scan, heads: pl.DataFrame, verdict: Verdict | None, k: in
 
 def build_first_screen(scan: Scan, heads: pl.DataFrame, n_layers: int) -> tuple[FirstScreen, Verdict | None]:
     verdict, note = scan_verdict(scan)
-    screen = FirstScreen(f"gascan report: {scan.summary.get('model', '?')}", facts_line(scan), note=note)
+    screen = FirstScreen(f"gascan report: {scan.summary.get('model', '?')}", facts_line(scan), note=note,
+                         incomplete=incomplete_line(scan))
     for t in (verdict.tasks if verdict else ()):
         screen.verdicts.append(VerdictLine(t.task, t.outcome, OUTCOME_WORDS.get(t.outcome, t.outcome), t.sentence,
                                            t.confidence))

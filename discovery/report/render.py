@@ -30,7 +30,8 @@ def _md_figure(fig: Figure) -> list[str]:
 
 
 def render_markdown(first: FirstScreen, sections: Sequence[Section]) -> str:
-    lines = [f"# {md_esc(first.title)}", "", md_esc(first.facts), ""]
+    lines = [f"**{md_esc(first.incomplete)}**", ""] if first.incomplete else []
+    lines += [f"# {md_esc(first.title)}", "", md_esc(first.facts), ""]
     for v in first.verdicts:
         lines += [(f"**Verdict ({md_esc(v.task)}): {md_esc(v.words)}, confidence {md_esc(v.confidence)}.** "
                    f"{md_esc(v.sentence)}"), ""]
@@ -69,6 +70,7 @@ th{background:#f2f2f2} td.num{text-align:right;font-variant-numeric:tabular-nums
 img{max-width:100%;border:1px solid #eee}
 figure{margin:0} figcaption{font-size:0.78em;color:#555;max-width:560px}
 pre{white-space:pre-wrap;background:#f7f7f7;padding:0.6em;font-size:0.8em}
+.incomplete{background:#fff3cd;border-left:4px solid #b26b00;padding:6px 10px;margin:4px 0;font-weight:600}
 .verdict{background:#eef6ff;border-left:4px solid #3a7bd5;padding:6px 10px;margin:0 0 10px;font-size:0.98em}
 .verdict p{margin:2px 0} .conf{color:#555;font-size:0.88em;white-space:nowrap}
 .badge{display:inline-block;border-radius:3px;padding:0 6px;margin-right:4px;font-weight:600;color:#fff;
@@ -109,6 +111,7 @@ def render_html(first: FirstScreen, sections: Sequence[Section]) -> str:
             'style-src \'unsafe-inline\'">'),
            '<meta name="viewport" content="width=device-width, initial-scale=1">',
            f"<title>{esc(first.title)}</title>", f"<style>{_CSS}</style></head><body>",
+           *([f'<p id="incomplete" class="incomplete">{esc(first.incomplete)}</p>'] if first.incomplete else []),
            f"<header><h1>{esc(first.title)}</h1><p class=\"facts\">{esc(first.facts)}</p></header>",
            '<section id="verdict" class="verdict">']
     for v in first.verdicts:
