@@ -46,11 +46,11 @@ def cost_section(scan: Scan) -> Section | None:
             for name, wall, fe, peak in stage_rows(scan.summary)]
     if not rows:
         return None
-    return Section("Cost per stage", [
+    return Section("Cost per stage", [(
         "Wall seconds, forward-equivalents (counted matmul FLOPs over one clean forward over the scan's prompts) "
         "and peak memory in MiB (CUDA peak when the scan ran there, else the process's resident high-water mark) "
         "of each stage, then the sweep's parts. The report stage's own cost is recorded in summary.json once "
-        "it is written."], tables=[Table(["stage", "wall s", "forward-equivalents", "peak MiB"], rows)])
+        "it is written.")], tables=[Table(["stage", "wall s", "forward-equivalents", "peak MiB"], rows)])
 
 
 def _rank_in(frame: pl.DataFrame, column: str, value: float | None) -> int | None:
