@@ -11,7 +11,8 @@ verdict, as ``gascan scan`` of that checkpoint.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -103,7 +104,7 @@ def _sweep_stage(lm: LoadedModel, options: ScanOptions, out: Path, fp: Mapping[s
 
     key = fp["key"]
     frames, tasks, restored, n_restored = [], {}, Cost(), 0
-    with Meter() as meter:
+    with _stage("sweep") as meter:
         for i, task in enumerate(options.tasks):
             part, table = f"sweep-task{i}", f"{STAGE_DIR}/sweep-task{i}.parquet"
             info = read_marker(out, part, key)
@@ -130,6 +131,14 @@ def _sweep_stage(lm: LoadedModel, options: ScanOptions, out: Path, fp: Mapping[s
 
 def _cost(record: Mapping[str, Any]) -> Cost:
     return Cost(**{k: v for k, v in record.items() if k in Cost.__dataclass_fields__})
+
+
+@contextmanager
+def _stage(name: str) -> Iterator[Meter]:
+    """Measure one stage (and, in tests, stop at its start: :func:`resume.test_interrupt`)."""
+    resume.test_interrupt(name, "start")
+    with Meter() as meter:
+        yield meter
 
 
 def _unit_flops(summary: Mapping[str, Any]) -> float | None:
@@ -178,14 +187,14 @@ def finish(lm: LoadedModel | None, out: str | Path, *, start: str = "evidence", 
 
     ran: list[str] = []
     if "evidence" in todo:
-        with Meter() as meter:
+        with _stage("evidence") as meter:
             if scored:
                 tables, fields = scan_evidence(lm, scan.heads, scan.summary, progress=progress)
                 write_evidence(out, tables, fields)
         commit("evidence", [f"{name}.parquet" for name in tables] if scored else [], meter.cost, skipped=not scored)
         scan = read_scan(out)
     if "pairs" in todo:
-        with Meter() as meter:
+        with _stage("pairs") as meter:
             if scored:
                 if progress:
                     progress("pairs (ranking, joint ablation)", 0, 1)
@@ -195,7 +204,7 @@ def finish(lm: LoadedModel | None, out: str | Path, *, start: str = "evidence", 
                     progress("pairs (ranking, joint ablation)", 1, 1)
         commit("pairs", [PAIRS_FILE] if scored else [], meter.cost, skipped=not scored)
     if "verdict" in todo:
-        with Meter() as meter:
+        with _stage("verdict") as meter:
             verdict = conclude(out)
         commit("verdict", [], meter.cost)
     else:
@@ -204,7 +213,7 @@ def finish(lm: LoadedModel | None, out: str | Path, *, start: str = "evidence", 
     if report:
         from discovery.report import write_report
 
-        with Meter() as meter:
+        with _stage("report") as meter:
             html = write_report(out, lm)
         commit("report", list(REPORT_FILES), meter.cost)
     scan = read_scan(out)

@@ -9,7 +9,8 @@ without a valid marker (:func:`start_stage`); a directory that holds a scan of o
 checkpoint is refused up front, unless ``force`` starts over.
 
 ``GASCAN_TEST_INTERRUPT=STAGE:SIGNAL`` (tests only) makes the process send itself SIGINT or SIGKILL once
-STAGE has written its files and before its marker, the worst moment to stop (:func:`test_interrupt`).
+STAGE has written its files and before its marker, the worst moment to stop; ``STAGE:SIGNAL:start`` at the
+stage's start (:func:`test_interrupt`).
 """
 from __future__ import annotations
 
@@ -138,11 +139,13 @@ def begin(out: str | Path, fp: Mapping[str, Any], stages: Sequence[str], start: 
     sync_stages(out, stages, fp.get("key"))
 
 
-def test_interrupt(stage: str) -> None:
-    """Tests only: stop this process as ``GASCAN_TEST_INTERRUPT=STAGE:INT|KILL`` asks, once ``stage`` wrote its files."""
+def test_interrupt(stage: str, when: str = "end") -> None:
+    """Tests only: stop this process as ``GASCAN_TEST_INTERRUPT=STAGE:INT|KILL[:start]`` asks, at ``stage``'s
+    end (its files written, its marker not) or start."""
     wanted = os.environ.get(TEST_HOOK, "")
-    name, _, sig = wanted.partition(":")
-    if wanted and name == stage:
+    name, _, rest = wanted.partition(":")
+    sig, _, at = rest.partition(":")
+    if wanted and name == stage and (at or "end") == when:
         os.kill(os.getpid(), signal.SIGKILL if sig.upper() in ("KILL", "SIGKILL") else signal.SIGINT)
 
 
