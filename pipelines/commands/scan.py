@@ -129,7 +129,9 @@ def print_stage_table(console: Any, summary: dict[str, Any]) -> None:
     if console.is_terminal:
         from rich.table import Table
 
-        table = Table(*header, title="cost per stage")
+        table = Table(header[0], title="cost per stage")
+        for name in header[1:]:
+            table.add_column(name, justify="right")
         for row in cells:
             table.add_row(*row)
         console.print(table)
