@@ -117,6 +117,23 @@ def test_kv_styles():
     assert p.text[slice(*p.segments[0])] == f"{p.meta['keys'][0]}: {p.meta['values'][0]},"
     p = build_task("kv", {"n": 1, "style": "named", "query_space": "true"}).prompts()[0]
     assert p.text.endswith(": ") and p.candidates[0] == str(p.meta["values"][0])
+    p = build_task("kv", {"n": 1, "style": "lines"}).prompts()[0]
+    keys, values = p.meta["keys"], p.meta["values"]
+    assert [p.text[slice(*seg)] for seg in p.segments] == [f"{k}: {v}\n" for k, v in zip(keys, values)]
+    assert p.text.endswith(f"\n{keys[p.gold]}:") and p.candidates == [f" {v}" for v in values]
+    with pytest.raises(TaskError, match="at most 20 pairs"):
+        build_task("kv", {"n": 1, "style": "lines", "pairs": 21}).prompts()
+
+
+def test_kv_lines_answers_are_one_distinct_token_for_a_real_tokenizer(smol):
+    """The point of style=lines: each value is one token with its space (SmolLM2's BPE here; Gemma's
+    SentencePiece too, checked by hand), so next-token scoring accepts every prompt."""
+    from discovery.tasks.kv import LINE_VALUES
+
+    ids = [smol.encode(f" {v}", add_special_tokens=False) for v in LINE_VALUES]
+    assert all(len(i) == 1 for i in ids) and len({i[0] for i in ids}) == len(LINE_VALUES)
+    batch = annotate(build_task("kv", {"n": 8, "style": "lines", "scoring": "next_token"}).prompts(), smol)
+    assert batch.input_ids.shape[0] == 8
 
 
 def test_niah_and_vartrack():

@@ -17,7 +17,18 @@ shorter form small real models can do (six pairs by default, single-digit values
 
 whose segments are the ``Name: v,`` pairs (the summary token is the comma). With
 ``query_space=true`` the prompt ends in ``Leo: `` and the candidates are bare digits ("9"), which
-suits SentencePiece tokenizers that split digits from the space.
+suits SentencePiece tokenizers that split digits from the space. ``style=lines`` is the form that
+reads most naturally to every tokenizer, BPE and SentencePiece alike: one ``Name: word`` line per
+pair, with common one-token words as values, so the answer is a single ``▁word`` / ``Ġword`` token
+rather than a digit after a lone space (Gemma3-270M: 0.42 on 6 pairs against 0.25 for the named
+digits, chance 0.17; 0.67 on 3 pairs)::
+
+    Jack: red
+    Anna: fish
+    Leo: gold
+    Anna:                                                   -> " fish"
+
+whose segments are the lines (newline included).
 """
 from __future__ import annotations
 
@@ -32,6 +43,11 @@ from discovery.tasks.words import CATEGORIES, FIRST_NAMES
 
 def _key_words() -> list[str]:
     return sorted({w.lower() for _, (_, words) in CATEGORIES.items() for w in words})
+
+
+# Common words that are one token, with their leading space, in the Llama, Gemma and GPT-2 vocabularies.
+LINE_VALUES = ("red", "blue", "green", "black", "white", "pink", "brown", "gray", "gold", "purple",
+               "cat", "dog", "fish", "bird", "horse", "cow", "lion", "bear", "frog", "duck")
 
 
 def render_dict(keys: list[str], values: list[int], query: int) -> Prompt:
@@ -57,15 +73,25 @@ def render_named(names: list[str], values: list[int], query: int, query_space: b
                   {"keys": names, "values": values})
 
 
+def render_lines(names: list[str], values: list[str], query: int) -> Prompt:
+    """The lines form; segment k is line ``Name: word\\n``."""
+    b = TextBuilder()
+    segments = [b.add(f"{name}: {v}\n") for name, v in zip(names, values)]
+    b.add(f"{names[query]}:")
+    return Prompt(b.text, segments, None, query, [f" {v}" for v in values], query,
+                  {"keys": names, "values": values})
+
+
 class KVTask(Task):
     name = "kv"
     description = "key-value retrieval: 'Memorize the following dictionary' (dict) or 'Jack: 1, ... Leo:' (named)"
     default_scoring = "continuation"
     OPTIONS: ClassVar[dict[str, Option]] = {
-        "style": Option("dict", "dict (key:value lines, values 0-99) or named (Name: digit pairs)", str,
-                        choices=("dict", "named")),
-        "pairs": Option(None, "number of key-value pairs (default 8 for dict, 6 for named; named allows "
-                        "at most 10)", int, low=2, high=100),
+        "style": Option("dict", "dict (key:value lines, values 0-99), named (Name: digit pairs) or lines "
+                        "(one 'Name: word' line per pair; natural for SentencePiece and BPE tokenizers)", str,
+                        choices=("dict", "named", "lines")),
+        "pairs": Option(None, "number of key-value pairs (default 8 for dict, 6 for named and lines; "
+                        "named allows at most 10, lines 20)", int, low=2, high=100),
         "query_space": Option(False, "named style: end the prompt with 'Leo: ' and score bare digits", bool),
     }
 
@@ -79,11 +105,18 @@ class KVTask(Task):
         if o["style"] == "named" and o["pairs"] > 10:
             raise TaskError(f"style=named has single-digit values, so at most 10 pairs (got pairs={o['pairs']})",
                             "use --task-option pairs=10 or fewer, or style=dict")
+        if o["style"] == "lines" and o["pairs"] > len(LINE_VALUES):
+            raise TaskError(f"style=lines has {len(LINE_VALUES)} distinct values, so at most {len(LINE_VALUES)} "
+                            f"pairs (got pairs={o['pairs']})", "use fewer pairs, or style=dict")
         rng = random.Random(o["seed"])
         pool = _key_words() if o["style"] == "dict" else list(FIRST_NAMES)
         prompts = []
         for _ in range(o["n"]):
             keys = rng.sample(pool, o["pairs"])
+            if o["style"] == "lines":
+                words = rng.sample(LINE_VALUES, o["pairs"])
+                prompts.append(render_lines(keys, words, rng.randrange(o["pairs"])))
+                continue
             values = rng.sample(range(100) if o["style"] == "dict" else range(10), o["pairs"])
             query = rng.randrange(o["pairs"])
             if o["style"] == "dict":
