@@ -5,14 +5,25 @@
 every operator run inside it, including the operators autograd runs for a backward. Element-wise
 work is not counted, as usual for FLOP counts. PyTorch's ``FlopCounterMode`` would do the same but
 its module tracker breaks ``torch.autograd.grad`` on leaf tensors, which the attribution screen
-needs, so this is the bare counter without the tracker.
+needs, so this is the bare counter without the tracker. The registry has no formula for the CPU
+kernel of fused attention (``_scaled_dot_product_flash_attention_for_cpu``); it is counted here with
+the registry's own attention formula, so sdpa passes on a CPU count their score and value matmuls as
+eager passes do.
 """
 from __future__ import annotations
 
 from typing import Any, ClassVar, Self
 
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import flop_registry, sdpa_flop_count
+
+
+def _cpu_sdpa_flops(query, key, value, *args, out_val=None, **kwargs) -> int:
+    return sdpa_flop_count(query.shape, key.shape, value.shape)
+
+
+_EXTRA = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flops}
 
 
 class MatmulFlops(TorchDispatchMode):
@@ -45,7 +56,7 @@ class MatmulFlops(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args: tuple = (), kwargs: dict[str, Any] | None = None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        formula = flop_registry.get(func._overloadpacket)
+        formula = flop_registry.get(func._overloadpacket) or _EXTRA.get(func._overloadpacket)
         if formula is not None:
             self.total += int(formula(*args, **kwargs, out_val=out))
         return out

@@ -94,7 +94,7 @@ def run_batch(spec: BatchSpec, out: str | os.PathLike, executor=None, *, shard_f
 
         ran = 0
         skip_files = () if reports else REPORT_FILES
-        with _progress_bar(progress, console, total, skipped) as tick:
+        with _progress_bar(progress, console, total, skipped, executor) as tick:
             for name, count in outstanding.items():
                 if count == 0:
                     follow_up(name)
@@ -140,30 +140,30 @@ def _finish_shard(out: Path, spec: BatchSpec, own: list[Shard]) -> Shard | None:
 
 
 @contextlib.contextmanager
-def _progress_bar(enabled: bool, console, total: int, skipped: int) -> Iterator[Callable[..., None]]:
-    """One bar for the whole batch: shards done (skipped ones count as done), failed, ETA."""
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
+def _progress_bar(enabled: bool, console, total: int, skipped: int, executor=None) -> Iterator[Callable[..., None]]:
+    """One line of progress for the whole batch (:mod:`pipelines.progress`: a rich bar in a terminal,
+    plain log lines otherwise): shards done (skipped ones count as done), failed, already done, and the
+    executor's worker deaths and resubmissions when it counts them (Ray)."""
+    from pipelines.progress import reporter
 
-    bar = Progress(TextColumn("[bold]batch"), BarColumn(), MofNCompleteColumn(),
-                   TextColumn("shards  {task.fields[failed]} failed  {task.fields[skipped]} already done"),
-                   TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-                   console=console or Console(stderr=True), disable=not enabled, transient=False)
     failed = [0]
-    with bar:
-        task = bar.add_task("batch", total=total, completed=skipped, failed=0, skipped=skipped)
+    done = [skipped]
+
+    def status() -> str:
+        stats = getattr(executor, "stats", None) or {}
+        text = f"{failed[0]} failed  {skipped} already done"
+        if "worker_deaths" in stats:
+            text += f"  {stats['worker_deaths']} worker deaths  {stats.get('resubmitted', 0)} resubmitted"
+        return text
+
+    with reporter(console, enabled=enabled, status=status) as progress:
+        progress("batch shards", done[0], total)
 
         def tick(ok: bool, count: int = 1) -> None:
             if not ok:
                 failed[0] += count
-            bar.update(task, advance=count, failed=failed[0])
+            done[0] += count
+            progress("batch shards", done[0], total)
 
         yield tick
 

@@ -71,31 +71,22 @@ def run(args: argparse.Namespace) -> int:
     tasks = check(args)
     from rich.console import Console
     from rich.markup import escape
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from discovery.tasks import load_task_options, parse_task_options
     from pipelines import pipeline
+    from pipelines.progress import reporter, stage
 
     console = Console(stderr=True, emoji=False)
     given = parse_task_options(args.task_option or [])
-    with console.status("loading model"):
-        lm = load_options(args).load(args.model)
-    from_file = (lambda name: load_task_options(args.task_options, name)) if args.task_options else None
-    options = ScanOptions(tasks=tasks, task_options=pipeline.task_options(lm.files, tasks, given, from_file),
-                          ablation=args.ablation, prompts=args.prompts, seed=args.seed,
-                          max_memory_mb=args.max_memory)
-    console.print(f"[bold]{escape(lm.name)}[/bold]: {lm.inventory.architecture}, {lm.inventory.n_layers} layers, "
-                  f"{sum(lm.inventory.n_heads().values())} heads; tasks {', '.join(tasks)}")
-    columns = (TextColumn("{task.description:<22}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-               TimeElapsedColumn(), TimeRemainingColumn())
-    with Progress(*columns, console=console, transient=False) as bar:
-        ids: dict[str, Any] = {}
-
-        def progress(stage: str, done: int, total: int) -> None:
-            if stage not in ids:
-                ids[stage] = bar.add_task(stage, total=total)
-            bar.update(ids[stage], completed=done, total=total)
-
+    with reporter(console) as progress:  # rich bars in a terminal, plain lines in a log
+        with stage(progress, "loading model"):
+            lm = load_options(args).load(args.model)
+        from_file = (lambda name: load_task_options(args.task_options, name)) if args.task_options else None
+        options = ScanOptions(tasks=tasks, task_options=pipeline.task_options(lm.files, tasks, given, from_file),
+                              ablation=args.ablation, prompts=args.prompts, seed=args.seed,
+                              max_memory_mb=args.max_memory)
+        console.print(f"[bold]{escape(lm.name)}[/bold]: {lm.inventory.architecture}, {lm.inventory.n_layers} "
+                      f"layers, {sum(lm.inventory.n_heads().values())} heads; tasks {', '.join(tasks)}")
         result = pipeline.run(lm, options, args.out, progress=progress, report=not args.no_report, force=args.force)
     done = [s for s in pipeline.STAGES if s not in result.ran and result.summary["stages"][s]["complete"]]
     if done:

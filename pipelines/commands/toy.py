@@ -174,7 +174,10 @@ def run_truth(args: argparse.Namespace) -> int:
     task, options = next(iter(defaults.items()))
     prompts = build_task(task, {**options, "n": args.prompts, "seed": args.seed}).prompts()
     batch = annotate(prompts, lm.tokenizer, padding_side="left")
-    with console.status(f"ablating every head of {lm.name} on {task} ({len(batch)} prompts)"):
+    from pipelines.progress import reporter, stage
+
+    with reporter(console) as progress, stage(progress, f"ablating every head of {lm.name} on {task} "
+                                                        f"({len(batch)} prompts)"):
         truth = ground_truth(lm, batch)
     truth.update({"model": lm.name, "task": task, "task_options": options, "checkpoint": lm.checkpoint_hash()})
     target = Path(args.out) if args.out else Path(lm.files[0]).parent / "truth.json"

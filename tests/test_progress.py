@@ -1,0 +1,128 @@
+"""Progress off a terminal: plain lines at each stage's start and end and every interval while it runs,
+with done/total, elapsed and ETA; ``gascan scan`` with stderr piped prints them without escape codes."""
+from __future__ import annotations
+
+import io
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from pipelines.progress import PlainProgress, duration, eta_seconds, interval_from_env, reporter
+
+ROOT = Path(__file__).resolve().parents[1]
+ANSI = re.compile(r"\x1b\[")
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_plain_lines_every_interval_with_eta():
+    clock, out = FakeClock(), io.StringIO()
+    progress = PlainProgress(out, interval=30, clock=clock)
+    progress("sweep mc", 0, 270)
+    for t, done in ((10, 30), (20, 60), (31, 90), (45, 120), (50, 130)):
+        clock.now = t
+        progress("sweep mc", done, 270)
+    clock.now = 65  # no update for 15 s: the heartbeat still reports
+    progress.heartbeat()
+    clock.now = 70
+    progress.heartbeat()  # 5 s after the last line: nothing
+    clock.now = 90
+    progress("sweep mc", 270, 270)
+    lines = out.getvalue().splitlines()
+    assert lines == [
+        "gascan: sweep mc  0/270  started",
+        "gascan: sweep mc  90/270  elapsed 31s  eta 1m02s",  # 31 s for 90: 180 more take 62 s
+        "gascan: sweep mc  130/270  elapsed 1m05s  eta 1m10s",  # heartbeat at 65 s, last count 130
+        "gascan: sweep mc  270/270  done in 1m30s",
+    ]
+    progress.heartbeat()  # the stage ended: no more lines
+    assert len(out.getvalue().splitlines()) == 4
+
+
+def test_restart_totals_and_status():
+    clock, out = FakeClock(), io.StringIO()
+    failed = [0]
+    progress = PlainProgress(out, interval=0, clock=clock, status=lambda: f"{failed[0]} failed")
+    progress("patterns", 0, 1)
+    progress("patterns", 0, 4)  # the total becomes known: no line
+    clock.now = 2
+    progress("patterns", 2, 4)
+    failed[0] = 1
+    progress("patterns", 4, 4)
+    progress("patterns", 0, 4)  # the next task runs the stage again
+    lines = out.getvalue().splitlines()
+    assert lines == ["gascan: patterns  0/1  started  0 failed",
+                     "gascan: patterns  2/4  elapsed 2s  eta 2s  0 failed",
+                     "gascan: patterns  4/4  done in 2s  1 failed",
+                     "gascan: patterns  0/4  started  1 failed"]
+
+
+def test_eta_and_duration_math(monkeypatch):
+    assert eta_seconds(41, 120, 270) == 41 * 150 / 120
+    assert eta_seconds(10, 5, 10, base=5) is None  # only skipped work so far: no rate yet
+    assert eta_seconds(10, 7, 10, base=5) == 10 * 3 / 2
+    assert eta_seconds(3, 10, 10) == 0.0
+    assert [duration(s) for s in (0.4, 41, 185, 7440)] == ["0s", "41s", "3m05s", "2h04m"]
+    monkeypatch.setenv("GASCAN_PROGRESS_INTERVAL", "2.5")
+    assert interval_from_env() == 2.5
+    monkeypatch.setenv("GASCAN_PROGRESS_INTERVAL", "soon")
+    assert interval_from_env() == 30.0
+
+
+def test_reporter_heartbeat_thread_reports_a_silent_stage():
+    out = io.StringIO()
+    import time
+
+    with reporter(plain=True, stream=out, interval=0.05) as progress:
+        progress("attribution", 0, 1)
+        time.sleep(0.4)  # the work says nothing for a while
+        progress("attribution", 1, 1)
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "gascan: attribution  0/1  started" and lines[-1].startswith("gascan: attribution  1/1  done in")
+    assert any("elapsed" in line and "eta ?" in line for line in lines[1:-1])
+
+
+def test_scan_piped_prints_plain_progress_for_each_stage(tmp_path):
+    env = {**os.environ, "GASCAN_PROGRESS_INTERVAL": "0", "PYTHONPATH": str(ROOT), "TERM": "dumb"}
+    proc = subprocess.run([sys.executable, "-m", "pipelines.cli", "scan", "--out", str(tmp_path / "scan"),
+                           "--prompts", "4", "--no-report"], cwd=ROOT, env=env, capture_output=True, text=True, check=False,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    err = proc.stderr
+    assert not ANSI.search(err)
+    for stage, total in (("loading model", 1), ("patterns", 4), ("ablation \\(all\\)", 16),
+                         ("ablation \\(query\\)", 16), ("attribution", 1), ("position effects", None),
+                         ("group ablations", None), ("pairs \\(ranking, joint ablation\\)", 1)):
+        n = str(total) if total else r"\d+"
+        assert re.search(rf"^gascan: {stage}  0/\d+  started$", err, re.MULTILINE), stage
+        assert re.search(rf"^gascan: {stage}  {n}/{n}  done in \d+s$", err, re.MULTILINE), stage
+    assert re.search(r"^gascan: ablation \(all\)  \d+/16  elapsed \d+s  eta \d+s$", err, re.MULTILINE)
+
+
+def test_batch_progress_shows_failures_worker_deaths_and_resubmissions(capsys, monkeypatch):
+    from pipelines.batch.run import _progress_bar
+
+    monkeypatch.setenv("GASCAN_PROGRESS_INTERVAL", "0")
+
+    class RayLike:  # the Ray executor counts deaths and resubmissions in ``stats`` as it runs
+        def __init__(self) -> None:
+            self.stats = {"worker_deaths": 0, "resubmitted": 0}
+
+    executor = RayLike()
+    with _progress_bar(True, None, 3, 1, executor) as tick:
+        executor.stats.update(worker_deaths=1, resubmitted=1)
+        tick(True)
+        tick(False)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "gascan: batch shards  1/3  started  0 failed  1 already done  0 worker deaths  0 resubmitted"
+    assert lines[1].startswith("gascan: batch shards  2/3  elapsed 0s  eta ")
+    assert lines[-1].startswith("gascan: batch shards  3/3  done in 0s  1 failed  1 already done  1 worker deaths  "
+                                "1 resubmitted")
