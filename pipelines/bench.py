@@ -124,10 +124,20 @@ class _Runs:
         self.calls["atp_qk"]()
 
 
+def _sync() -> None:
+    """Wait for queued GPU work, so wall time covers it (CUDA kernels run asynchronously)."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def _timed(fn: Callable[[], Any]) -> tuple[Any, float, float]:
     with PeakMemory() as mem:
+        _sync()
         start = time.perf_counter()
         out = fn()
+        _sync()
         seconds = time.perf_counter() - start
     return out, seconds, mem.peak_mb
 

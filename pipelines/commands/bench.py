@@ -23,6 +23,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         help="time the naive loop on N of those heads and scale per head (default: all of them)")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds after the warm-up (default 3)")
     parser.add_argument("--max-memory", type=float, default=None, metavar="MB", help="engine memory budget")
+    parser.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16")
+    parser.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
     parser.add_argument("--out", default=None, help="also write the results as JSON here")
     parser.set_defaults(func=run)
 
@@ -46,6 +48,10 @@ def run(args: argparse.Namespace) -> int:
     for flag, value in (("--heads", args.heads), ("--naive-heads", args.naive_heads), ("--repeats", args.repeats),
                         ("--max-memory", args.max_memory)):
         validate.positive(value, flag)
+    from discovery.model.spec import check_dtype
+
+    check_dtype(args.dtype)
+    validate.device_available(args.device)
     import sys
 
     from rich.console import Console
@@ -61,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     for spec in args.models:
         with reporter() as progress:
             with stage(progress, f"loading {spec}"):
-                lm = load_model(spec)
+                lm = load_model(spec, dtype=args.dtype, device=args.device)
             batch = _batch_for(lm, args.prompts)
             heads = spread(list(lm.inventory.heads()), args.heads)
             console.print(f"[bold]{escape(lm.name)}[/bold]: {lm.inventory.n_layers} layers, {len(heads)} heads "
