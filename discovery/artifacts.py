@@ -114,6 +114,25 @@ def with_evidence(heads: pl.DataFrame, evidence: pl.DataFrame | None) -> pl.Data
     return heads.join(right, on=keys, how="left")
 
 
+REFINED_COLUMNS = ("channel_start", "channel_end")
+
+
+def restore_refined(inventory: Any, heads: pl.DataFrame) -> None:
+    """Give a model's inventory (:class:`~discovery.heads.Inventory`) the refined Mamba-1 channel heads a
+    head table names (rows with ``channel_start``), with the same indices, so later stages (evidence,
+    pairs, the report's example) can ablate and read them; a table without them clears any others."""
+    if not all(c in heads.columns for c in REFINED_COLUMNS):
+        rows: list[tuple[int, int, str, int, int]] = []
+    else:
+        rows = heads.filter(pl.col("channel_start").is_not_null()).select(
+            "layer", "head", "kind", *REFINED_COLUMNS).rows()
+    try:
+        inventory.restore_spans(rows)
+    except ValueError as err:
+        raise GascanError(f"the head table's refined channel heads do not fit the model: {err}",
+                          "rerun the sweep (gascan scan) of this model") from None
+
+
 def write_scan(out_dir: str | Path, heads: pl.DataFrame, summary: Mapping[str, Any]) -> Path:
     """The sweep's output: ``heads.parquet`` and ``summary.json``, atomically."""
     out = Path(out_dir)

@@ -27,6 +27,7 @@ class ScanOptions:
     max_memory_mb: float | None = None  # execution setting: memory budget of batched ablation rows
     bootstrap: int = 1000
     chunk_prompts: int = 16
+    refine_channels: bool = True  # Mamba-1: split the channel groups that matter down to channels
 
     def __post_init__(self) -> None:
         if self.ablation not in ABLATION_MODES:

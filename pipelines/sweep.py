@@ -26,6 +26,9 @@ from discovery.tasks.base import AnnotatedBatch, annotate
 from pipelines.options import TABLE_VERSION, ScanOptions
 
 EFFECT_METRICS = {"logit_diff": "ld", "acc": "acc", "gold_logprob": "lp"}
+# ablation mode -> the single-head sweeps it runs: (scope name, position classes)
+SWEEPS: dict[str, list[tuple[str, tuple[str, ...]]]] = {"exact": [("all", ("all",)), ("query", ("query",))],
+                                                        "query": [("query", ("query",))]}
 
 
 
@@ -64,13 +67,24 @@ def _pattern_metrics(lm: LoadedModel, batch: AnnotatedBatch, groups: list[HeadGr
     return {key: metrics.summarise(named) for key, named in values.items()}
 
 
+def _effect_columns(columns: dict[HeadId, dict[str, Any]], heads: Sequence[HeadId], scope_name: str,
+                    effects: Any, options: ScanOptions) -> None:
+    """Each head's mean effect per metric at ``scope_name`` with its bootstrap interval, into ``columns``."""
+    for metric, short in EFFECT_METRICS.items():
+        mean, lo, hi = bootstrap_ci(effects[metric], options.bootstrap, seed=options.seed)
+        for i, h in enumerate(heads):
+            columns[h][f"d_{short}_{scope_name}"] = mean[i].item()
+            columns[h][f"d_{short}_{scope_name}_lo"] = lo[i].item()
+            columns[h][f"d_{short}_{scope_name}_hi"] = hi[i].item()
+
+
 def scan_task(lm: LoadedModel, task_spec: str, options: ScanOptions, *, layers: Sequence[int] | None = None,
               progress: Progress | None = None) -> tuple[pl.DataFrame, dict[str, Any]]:
     """Scan one task on the heads of ``layers`` (default all): the head table rows and task summary.
 
     The summary's ``forward_flops`` is the matmul FLOPs of one clean forward over the task's prompts (the
     unit of forward-equivalents) and ``parts`` the cost of each part: clean forward, patterns (with direct
-    logit attribution), each ablation sweep, the attribution screen."""
+    logit attribution), each ablation sweep, the attribution screen, the Mamba-1 channel refinement."""
     with Meter() as total:
         batch = task_batch(lm, task_spec, options.options_for(task_spec))
         inv = lm.inventory
@@ -96,19 +110,15 @@ def scan_task(lm: LoadedModel, task_spec: str, options: ScanOptions, *, layers: 
                     columns[h][name] = values[h.index].item()
                 columns[h]["dla"] = dla_values[(g.layer, g.kind)][h.index].item()
 
-        sweeps = {"exact": [("all", ("all",)), ("query", ("query",))], "query": [("query", ("query",))]}
-        for scope_name, scope in sweeps.get(options.ablation, []):
+        measured = {}
+        for scope_name, scope in SWEEPS.get(options.ablation, []):
             ablations = single_head_ablations(heads, "zero", scope)
             tick = stage_ticker(progress, f"ablation ({scope_name})", len(ablations))
             with Meter() as meter:
-                effects = engine.effects(ablations, engine.run(ablations, progress=tick))
+                measured[scope_name] = engine.effects(ablations, engine.run(ablations, progress=tick))
             parts[f"ablation_{scope_name}"] = meter.cost
-            for metric, short in EFFECT_METRICS.items():
-                mean, lo, hi = bootstrap_ci(effects[metric], options.bootstrap, seed=options.seed)
-                for i, h in enumerate(heads):
-                    columns[h][f"d_{short}_{scope_name}"] = mean[i].item()
-                    columns[h][f"d_{short}_{scope_name}_lo"] = lo[i].item()
-                    columns[h][f"d_{short}_{scope_name}_hi"] = hi[i].item()
+            _effect_columns(columns, heads, scope_name, measured[scope_name], options)
+        sweep_rows = engine.layer_rows
 
         screen = None
         if options.ablation in ("exact", "query", "atp"):
@@ -130,21 +140,84 @@ def scan_task(lm: LoadedModel, task_spec: str, options: ScanOptions, *, layers: 
                 exact = torch.tensor([columns[h]["d_ld_all"] for h in result.heads])
                 screen["agreement"] = rank_agreement(estimate, exact, k=min(10, len(heads)))
 
+        with Meter() as meter:
+            refined, refinement = refine_stage(engine, heads, measured, columns, options, progress)
+        if refinement.get("status") == "done":
+            parts["refinement"] = meter.cost
         rows = []
         checkpoint = lm.checkpoint_hash()
-        for h in heads:
+        for h in [*heads, *refined]:
+            start, end, parent = refined.get(h, (None, None, None))
             row = {"model": lm.name, "checkpoint": checkpoint, "task": task_spec, "layer": h.layer, "head": h.index,
-                   "kind": h.kind, "depth": _depth(h.layer, inv.n_layers)}
+                   "kind": h.kind, "depth": _depth(h.layer, inv.n_layers), "channel_start": start,
+                   "channel_end": end, "parent_head": parent}
             for key, value in columns[h].items():
                 row[key] = None if value is None or (isinstance(value, float) and math.isnan(value)) else value
             rows.append(row)
-        frame = pl.DataFrame(rows, infer_schema_length=None)
+        frame = pl.DataFrame(rows, infer_schema_length=None).with_columns(
+            pl.col("channel_start", "channel_end", "parent_head").cast(pl.Int64))
     unit = parts["clean"].flops
     summary = {"task": task_spec, "options": options.options_for(task_spec), "n_prompts": len(batch),
                "clean": clean, "seconds": round(total.cost.wall_s, 2),
-               "layer_rows": engine.layer_rows, "attribution": screen, "forward_flops": unit,
+               "layer_rows": sweep_rows, "attribution": screen, "refinement": refinement, "forward_flops": unit,
                "cost": total.cost.record(unit), "parts": {k: c.record(unit) for k, c in parts.items()}}
     return frame, summary
+
+
+def refine_stage(engine: AblationEngine, heads: Sequence[HeadId], measured: dict[str, Any],
+                 columns: dict[HeadId, dict[str, Any]], options: ScanOptions, progress: Progress | None = None
+                 ) -> tuple[dict[HeadId, tuple[int, int, int]], dict[str, Any]]:
+    """Mamba-1 channel refinement after the group sweep (:mod:`discovery.measure.refine`): the refined heads
+    with ``(channel_start, channel_end, parent group head)``, their columns filled in ``columns`` like any
+    swept head's (pattern metrics, DLA, every scope of the sweep), and the summary's ``refinement`` record
+    (``status`` done or skipped, with the reason)."""
+    from discovery.evidence.thresholds import EvidenceThresholds
+    from discovery.measure.refine import RefineSettings, refine_channels, summary_fields
+
+    inv = engine.inventory
+    mamba1 = [g for g in inv.groups if g.pattern == "mamba1" and any(h.layer == g.layer for h in heads)]
+    reason = None
+    if not mamba1:
+        reason = "no Mamba-1 layers"
+    elif not options.refine_channels:
+        reason = "turned off (--no-refine-channels)"
+    elif not measured:
+        reason = f"--ablation {options.ablation} measures no single-head effects to refine"
+    elif all(g.width == 1 for g in mamba1):
+        reason = "the heads are single channels already (--mamba1-group-width 1)"
+    if reason is not None:
+        return {}, {"status": "skipped", "reason": reason}
+    scope_name, scope = SWEEPS[options.ablation][0]
+    th = EvidenceThresholds()
+    settings = RefineSettings(effect=th.effect, scope=scope, bootstrap=options.bootstrap, seed=options.seed)
+    index = {h: i for i, h in enumerate(heads)}
+    starts = [h for g in mamba1 if g.width > 1 for h in g.heads() if h in index]
+    effects = measured[scope_name]
+    rows = [index[h] for h in starts]
+    start_effects = type(effects)(*(effects[m][rows] for m in ("acc", "logit_diff", "gold_logprob")))
+    if progress:
+        progress("channel refinement", 0, 1)
+    rows_before = engine.layer_rows
+    ref = refine_channels(engine, starts, start_effects, settings)
+    refined = {h: ref.leaf_node(h) for h in ref.leaves if h.index >= inv.group(h.layer, h.kind).count}
+    out = {h: (n.start, n.end, n.group) for h, n in refined.items()}
+    for h, n in refined.items():
+        columns[h] = {k: v for k, v in n.metrics.items()}
+    extra = list(refined)
+    if extra:
+        leaf_rows = [ref.leaves.index(h) for h in extra]
+        _effect_columns(columns, extra, scope_name,
+                        {m: ref.leaf_effects[m][leaf_rows] for m in EFFECT_METRICS}, options)
+        for other_name, other_scope in SWEEPS[options.ablation][1:]:
+            ablations = single_head_ablations(extra, "zero", other_scope)
+            _effect_columns(columns, extra, other_name, engine.effects(ablations), options)
+    fields = summary_fields(ref, engine, settings)
+    # the tree's ablations plus the refined heads' other scopes, in forward-equivalents of this batch
+    fields["forward_equivalents_with_scopes"] = round(
+        (engine.layer_rows - rows_before) / (engine.n_prompts * engine.n_active_layers), 3)
+    if progress:
+        progress("channel refinement", 1, 1)
+    return out, fields
 
 
 def top_effects(frame: pl.DataFrame, k: int = 10) -> list[dict[str, Any]]:

@@ -82,7 +82,7 @@ def test_saved_directories_load_offline_with_single_token_labels(runs):
     assert not list(runs["a"].glob("**/*.bin")) and not list(runs["a"].glob("**/.*tmp*"))
 
 
-@pytest.mark.parametrize("arch,extra", [("mamba2", {}), ("mamba2", {"conv_kernel": 2}),
+@pytest.mark.parametrize("arch,extra", [("mamba2", {}), ("mamba2", {"conv_kernel": 2}), ("mamba1", {}),
                                         ("hybrid", {"attn_layers": [1], "conv_kernel": 2})])
 def test_ssm_and_hybrid_runs_save_and_reload(tmp_path, arch, extra):
     from transformers import AutoModelForCausalLM
@@ -90,7 +90,8 @@ def test_ssm_and_hybrid_runs_save_and_reload(tmp_path, arch, extra):
     cfg = tiny_cfg(arch=arch, steps=3, eval_every=3, **extra)
     result = train(cfg, tmp_path / arch, progress=False)
     model = AutoModelForCausalLM.from_pretrained(tmp_path / arch, local_files_only=True)
-    assert type(model).__name__ == {"mamba2": "Mamba2ForCausalLM", "hybrid": "BambaForCausalLM"}[arch]
+    assert type(model).__name__ == {"mamba2": "Mamba2ForCausalLM", "mamba1": "MambaForCausalLM",
+                                    "hybrid": "BambaForCausalLM"}[arch]
     if arch == "hybrid":
         assert model.config.attn_layer_indices == [1]
     convs = [m for m in model.modules() if isinstance(m, torch.nn.Conv1d)]
@@ -98,6 +99,27 @@ def test_ssm_and_hybrid_runs_save_and_reload(tmp_path, arch, extra):
     meta = json.loads((tmp_path / arch / "training.json").read_text())
     assert meta["arch"] == arch and result.steps == 3 and 0.0 <= meta["test_accuracy"] <= 1.0
     assert ("--conv-kernel 2" in meta["command"]) == ("conv_kernel" in extra)
+
+
+def test_mamba1_training_scan_matches_transformers_and_is_restored():
+    """The trainer's Mamba-1 scan (discovery/toy/mamba1_scan.py) gives transformers' own outputs and
+    gradients, and the mixers get their own forward back afterwards."""
+    from discovery.model.tiny import tiny_model
+    from discovery.toy.mamba1_scan import fast_mamba1
+
+    model = tiny_model("mamba").train()
+    ids = torch.randint(0, 200, (3, 17), generator=torch.Generator().manual_seed(0))
+    ref = model(input_ids=ids).logits
+    ref.sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    with fast_mamba1(model):
+        out = model(input_ids=ids).logits
+        out.sum().backward()
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+    for p, g in zip(model.parameters(), grads):
+        torch.testing.assert_close(p.grad, g, atol=1e-4, rtol=1e-3)
+    assert all("forward" not in vars(m) for m in model.modules())
 
 
 def test_hybrid_ssm_init_matches_the_mamba2_toy():

@@ -13,6 +13,7 @@ from discovery.evidence.thresholds import EvidenceThresholds
 from discovery.heads import HeadId
 from discovery.measure.ablation import Ablation, AblationEngine
 from discovery.measure.metrics import SELECTION_METRICS, linearised_norm_scale, selection
+from discovery.measure.patterns import group_pattern
 
 
 def _reader_values(engine: AblationEngine, readers: Sequence[HeadId], ablation: Ablation | None
@@ -58,9 +59,7 @@ def _implicit_sink(engine: AblationEngine, group: Any, probs: dict, previous: Ca
     def sink(hidden: torch.Tensor, mask: torch.Tensor | None) -> None:
         if previous is not None:
             previous(hidden, mask)
-        comp = ssm.ssm_components(mixer, hidden, mask)
-        pattern = (ssm.implicit_attention(comp, channel_group=group.width) if group.pattern == "mamba1"
-                   else ssm.implicit_attention(comp))
+        pattern, _ = group_pattern(group, ssm.ssm_components(mixer, hidden, mask))
         probs[(group.layer, group.kind)] = pattern.detach().float()
 
     return sink
@@ -83,8 +82,8 @@ def _reader_readout(engine: AblationEngine, by_group: Mapping[tuple[int, str], l
     out: dict[HeadId, dict[str, float | None]] = {}
     for (layer, kind), heads in by_group.items():
         group = engine.inventory.group(layer, kind)
-        head_out = metrics.head_outputs(inputs[(layer, kind)], lm.adapter.out_proj_weight(layer, kind).float(),
-                                        group.count, group.width)  # [batch, head, d_model]
+        head_out = metrics.group_head_outputs(inputs[(layer, kind)], lm.adapter.out_proj_weight(layer, kind).float(),
+                                              group)  # [batch, head, d_model]
         dla = metrics.dla(head_out * scale[:, None, :], unembed, batch.cand_first_token, batch.gold, None,
                           center=isinstance(norm, torch.nn.LayerNorm), cand_mask=batch.cand_mask)  # [batch, head]
         found = metrics.pattern_metrics(probs[(layer, kind)], batch) if (layer, kind) in probs else {}

@@ -166,9 +166,11 @@ def scan_evidence(lm: LoadedModel, heads: pl.DataFrame, summary: Mapping[str, An
     each task's batch rebuilt exactly as the scan built it. Returns the tables of all tasks concatenated
     (``evidence``, ``evidence_groups``, ``evidence_depth``, ``evidence_reads``; each row names its task)
     and the summary field ``{"evidence": {task: report summary}}``."""
+    from discovery.artifacts import restore_refined
     from discovery.tasks import build_task
     from discovery.tasks.base import annotate
 
+    restore_refined(lm.inventory, heads)  # the sweep's refined channel heads, as the sweep numbered them
     tables: dict[str, list[pl.DataFrame]] = {"evidence": [], "evidence_groups": [], "evidence_depth": [],
                                              "evidence_reads": []}
     per_task: dict[str, Any] = {}

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from discovery.heads import HeadId, Inventory
+from discovery.heads import HeadGroup, HeadId, Inventory
 from discovery.model.intervene import Intervener, PassConfig
 from discovery.model.loading import LoadedModel
 from discovery.tasks.base import AnnotatedBatch
@@ -327,7 +327,7 @@ class AblationEngine:
         for layer, kind in touched:
             group = self.inventory.group(layer, kind)
             # [row, pos, head] bool: which head outputs to edit where
-            proj_mask = torch.zeros(n, p, classes["all"].shape[1], group.count, dtype=torch.bool,
+            proj_mask = torch.zeros(n, p, classes["all"].shape[1], group.n_units, dtype=torch.bool,
                                     device=self.device)
             knock: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []  # (ablation, head, q mask, k mask)
             for a, abl in enumerate(ablations):
@@ -342,14 +342,15 @@ class AblationEngine:
                     proj_mask[a][:, :, heads] = pos[:, :, None]
             methods = {abl.method for abl in ablations}
             if proj_mask.any():
-                edit_mask = proj_mask.reshape(n * p, -1, group.count)
+                edit_mask = proj_mask.reshape(n * p, -1, group.n_units)
+                units = unit_columns(group, self.device)
                 if "mean" in methods:
                     per_row_mean = torch.tensor([abl.method == "mean" for abl in ablations], device=self.device)
                     means = self._mean_values(layer, kind)[class_index(classes)]  # [prompt, pos, in]
                     config.proj_edits[(layer, kind)] = replace_heads(edit_mask, group.width, means,
-                                                                      per_row_mean.repeat_interleave(p))
+                                                                      per_row_mean.repeat_interleave(p), units)
                 else:
-                    config.proj_edits[(layer, kind)] = replace_heads(edit_mask, group.width, None, None)
+                    config.proj_edits[(layer, kind)] = replace_heads(edit_mask, group.width, None, None, units)
             if knock and kind == "attn":
                 config.prob_edits[layer] = _knockout_probs(knock, n, p, group.count, classes["all"].shape[1],
                                                            self.device)
@@ -358,10 +359,10 @@ class AblationEngine:
                 mixer = self.lm.adapter.mixer(layer, kind)
                 config.mixer_sinks[layer] = _capture_components(mixer, holder)
                 previous = config.proj_edits.get((layer, kind))
-                config.proj_edits[(layer, kind)] = _knockout_ssm(mixer, holder, knock, p, group.width, previous)
+                config.proj_edits[(layer, kind)] = _knockout_ssm(mixer, holder, knock, p, group, previous)
         for layer, kind in sorted({(h.layer, h.kind) for a in ablations for h in a.hold}):
             group = self.inventory.group(layer, kind)
-            hold_mask = torch.zeros(n, p, classes["all"].shape[1], group.count, dtype=torch.bool,
+            hold_mask = torch.zeros(n, p, classes["all"].shape[1], group.n_units, dtype=torch.bool,
                                     device=self.device)  # [ablation, prompt, pos, head]
             for a, abl in enumerate(ablations):
                 heads = [h.index for h in abl.hold if h.layer == layer and h.kind == kind]
@@ -370,8 +371,9 @@ class AblationEngine:
             clean = self._clean_values(layer, kind)
             clean = clean if rows is None else clean[rows]  # [prompt, pos, in]
             # held heads take their clean values: replace_heads with every row replacing
-            hold = replace_heads(hold_mask.reshape(n * p, -1, group.count), group.width, clean,
-                                 torch.ones(n * p, dtype=torch.bool, device=self.device))
+            hold = replace_heads(hold_mask.reshape(n * p, -1, group.n_units), group.width, clean,
+                                 torch.ones(n * p, dtype=torch.bool, device=self.device),
+                                 unit_columns(group, self.device))
             config.proj_edits[(layer, kind)] = _after(config.proj_edits.get((layer, kind)), hold)
         return config
 
@@ -428,19 +430,34 @@ class AblationEngine:
         return effect[0], effect[1:]
 
 
+def unit_columns(group: HeadGroup, device: torch.device | str) -> torch.Tensor | None:
+    """``[head, in_features]`` bool: the input columns of every head of ``group``, refined heads included;
+    None for a group without refined heads (its heads are the ``width``-column blocks)."""
+    if not group.spans:
+        return None
+    out = torch.zeros(group.n_units, group.count * group.width, dtype=torch.bool, device=device)
+    for index in range(group.n_units):
+        out[index, group.columns(index)] = True
+    return out
+
+
 def replace_heads(edit_mask: torch.Tensor, width: int, means: torch.Tensor | None,
-                   mean_rows: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
+                   mean_rows: torch.Tensor | None, units: torch.Tensor | None = None
+                   ) -> Callable[[torch.Tensor], torch.Tensor]:
     """An out-projection input edit: the masked heads' columns become 0, or, on the rows ``mean_rows``
-    marks, the values ``means`` ``[prompt, pos, in]`` (class means, or a held head's clean values)."""
+    marks, the values ``means`` ``[prompt, pos, in]`` (class means, or a held head's clean values).
+    ``units`` (:func:`unit_columns`) maps heads to columns when some heads are refined channel spans."""
 
     def edit(x: torch.Tensor) -> torch.Tensor:  # x [row, pos, in]
         rows, pos, _ = x.shape
         mask = edit_mask[:, -pos:]  # [row, pos, head]; a cached single-token pass sees the last position only
-        heads = x.view(rows, pos, -1, width)  # [row, pos, head, width]
+        if units is not None:  # heads -> the columns they own: [row, pos, in], one column per "head"
+            mask = (mask.to(x.dtype) @ units.to(x.dtype)) > 0
+        heads = x.view(rows, pos, -1, 1 if units is not None else width)  # [row, pos, head, width]
         if means is None:
             out = heads.masked_fill(mask[..., None], 0.0)
         else:
-            repl = means[:, -pos:].reshape(means.shape[0], pos, -1, width)  # [prompt, pos, head, width]
+            repl = means[:, -pos:].reshape(means.shape[0], pos, *heads.shape[2:])  # [prompt, pos, head, width]
             repl = repl.repeat(rows // means.shape[0], 1, 1, 1)
             use = mask & mean_rows[:, None, None]
             out = torch.where(use[..., None], repl, heads.masked_fill(mask[..., None], 0.0))
@@ -487,7 +504,7 @@ def _capture_components(mixer: torch.nn.Module, holder: dict) -> Callable:
     return sink
 
 
-def _knockout_ssm(mixer: torch.nn.Module, holder: dict, knock, p: int, width: int,
+def _knockout_ssm(mixer: torch.nn.Module, holder: dict, knock, p: int, group: HeadGroup,
                   previous: Callable | None) -> Callable[[torch.Tensor], torch.Tensor]:
     """Out-projection edit for SSM edge knockout: remove the chosen implicit-attention entries from
     the scan output, redo the mixer's gating/norm, and take only the knocked-out heads' columns
@@ -506,9 +523,10 @@ def _knockout_ssm(mixer: torch.nn.Module, holder: dict, knock, p: int, width: in
         for a, h, qmask, kmask in knock:
             rows = slice(a * p, (a + 1) * p)
             part = dataclasses.replace(comp, **{f: getattr(comp, f)[rows] for f in ("x", "B", "C", "dt", "gate")})
-            units = [h] if comp.family == "mamba2" else list(range(h * width, (h + 1) * width))
+            start, end = group.span(h)
+            units = [h] if comp.family == "mamba2" else list(range(start, end))
             delta[rows] += ssm.knockout_delta(part, None, qmask, kmask, heads=units)
-            columns[rows, h * width:(h + 1) * width] = True
+            columns[rows, start:end] = True
         knocked = ssm.post_scan(mixer, y + delta, comp).to(x.dtype)  # [row, pos, in]
         return torch.where(columns[:, None, :], knocked, x)
 

@@ -42,8 +42,8 @@ def head_dla(lm: LoadedModel, batch: AnnotatedBatch, groups: list[HeadGroup]) ->
     out = {}
     for g in groups:
         key = (g.layer, g.kind)
-        heads = metrics.head_outputs(captured[key].float(), lm.adapter.out_proj_weight(g.layer, g.kind).float(),
-                                     g.count, g.width)  # [batch, head, d_model]
+        heads = metrics.group_head_outputs(captured[key].float(), lm.adapter.out_proj_weight(g.layer, g.kind).float(),
+                                           g)  # [batch, head, d_model], refined heads after the group's
         values = metrics.dla(heads * scale[:, None, :], unembed, part.cand_first_token, part.gold, None,
                              center=isinstance(norm, torch.nn.LayerNorm), cand_mask=part.cand_mask)
         out[key] = torch.nanmean(values.cpu(), dim=0)

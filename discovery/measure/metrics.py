@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from discovery.errors import GascanError
+from discovery.heads import HeadGroup
 from discovery.tasks.base import AnnotatedBatch
 
 METRICS: Mapping[str, str] = MappingProxyType({
@@ -474,6 +475,16 @@ def head_outputs(x_query: Tensor, weight: Tensor, n_heads: int, width: int) -> T
     x = x_query[:, :need].reshape(x_query.shape[0], n_heads, width)  # [batch, head, width]
     w = weight[:, :need].reshape(weight.shape[0], n_heads, width).to(x.dtype)  # [d_model, head, width]
     return torch.einsum("bhw,dhw->bhd", x, w)
+
+
+def group_head_outputs(x_query: Tensor, weight: Tensor, group: HeadGroup) -> Tensor:
+    """:func:`head_outputs` for every head of ``group``, its refined channel heads (``group.spans``) after
+    its ``count`` group heads: ``[batch, n_units, d_model]``."""
+    out = head_outputs(x_query, weight, group.count, group.width)
+    if not group.spans:
+        return out
+    extra = [x_query[:, s:e] @ weight[:, s:e].to(x_query.dtype).T for s, e in group.spans]  # [batch, d_model] each
+    return torch.cat([out, torch.stack(extra, 1)], dim=1)
 
 
 def final_norm_scale(resid_query: Tensor, eps: float, kind: str = "rms") -> Tensor:

@@ -15,6 +15,7 @@ import torch
 
 from discovery.heads import HeadGroup
 from discovery.model.intervene import Intervener, PassConfig
+from discovery.model.ssm import SSMComponents
 from discovery.model.loading import LoadedModel
 from discovery.tasks.base import AnnotatedBatch
 
@@ -29,6 +30,21 @@ def model_inputs(model: torch.nn.Module, batch: AnnotatedBatch) -> dict[str, tor
     if "position_ids" in inspect.signature(model.forward).parameters:
         kwargs["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)
     return kwargs
+
+
+def group_pattern(group: HeadGroup, comp: SSMComponents) -> tuple[torch.Tensor, torch.Tensor]:
+    """An SSM group's patterns ``[batch, head, q, k]`` and ``D`` skips ``[head]`` from its mixer's components:
+    Mamba-2 per head; Mamba-1 per channel group (the mean of its channels), then its refined channel heads."""
+    from discovery.model import ssm
+
+    if group.pattern != "mamba1":
+        return ssm.implicit_attention(comp), comp.D
+    pattern = ssm.implicit_attention(comp, channel_group=group.width)
+    d_skip = comp.D.view(group.count, group.width).mean(-1)
+    if group.spans:
+        pattern = torch.cat([pattern, ssm.span_attention(comp, group.spans)], dim=1)
+        d_skip = torch.cat([d_skip, torch.stack([comp.D[s:e].mean() for s, e in group.spans])])
+    return pattern, d_skip
 
 
 def for_each_pattern(lm: LoadedModel, batch: AnnotatedBatch, sink: PatternSink, *,
@@ -57,13 +73,7 @@ def for_each_pattern(lm: LoadedModel, batch: AnnotatedBatch, sink: PatternSink, 
                 mixer = lm.adapter.mixer(group.layer, group.kind)
 
                 def on_mixer(hidden, mask, g=group, r=rows, mixer=mixer):
-                    comp = ssm.ssm_components(mixer, hidden, mask)
-                    if g.pattern == "mamba1":
-                        pattern = ssm.implicit_attention(comp, channel_group=g.width)
-                        d_skip = comp.D.view(g.count, g.width).mean(-1)
-                    else:
-                        pattern = ssm.implicit_attention(comp)
-                        d_skip = comp.D
+                    pattern, d_skip = group_pattern(g, ssm.ssm_components(mixer, hidden, mask))
                     sink(g, r, pattern, {"D": d_skip})
 
                 config.mixer_sinks[group.layer] = on_mixer

@@ -391,6 +391,35 @@ def implicit_attention(
         return out / width if width > 1 else out
 
 
+def span_attention(
+    comp: SSMComponents,
+    spans: Sequence[tuple[int, int]],
+    *,
+    rows: Sequence[int] | Tensor | None = None,
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+) -> Tensor:
+    """Mamba-1: the mean per-channel matrix of each channel range ``[start, end)`` of ``spans`` (ranges may
+    overlap and need no alignment), ``[batch, span, q, k]``: the pattern of a refined channel head."""
+    if comp.family != "mamba1":
+        raise GascanError("channel spans apply to Mamba-1 only", "select Mamba-2 heads with heads=")
+    with torch.no_grad():
+        device = comp.x.device
+        for start, end in spans:
+            _check_units([start, end - 1], comp.n_units, "channel")
+            if end <= start:
+                raise GascanError(f"empty channel span {start}:{end}", "give spans with start < end")
+        query_rows = _rows(rows, comp.seq_len, device)
+        out = comp.x.new_zeros(comp.x.shape[0], len(spans), query_rows.numel(), comp.seq_len)
+        if not spans:
+            return out
+        chan = torch.cat([torch.arange(s, e, device=device) for s, e in spans])
+        owner = torch.cat([torch.full((e - s,), i, device=device) for i, (s, e) in enumerate(spans)])
+        for start, block in _mamba1_blocks(comp, chan, query_rows, memory_budget):
+            out.index_add_(1, owner[start : start + block.shape[1]], block)
+        sizes = torch.tensor([e - s for s, e in spans], dtype=out.dtype, device=device)
+        return out / sizes[None, :, None, None]
+
+
 def scan_output(
     comp: SSMComponents, M: Tensor | None = None, *, memory_budget: int = DEFAULT_MEMORY_BUDGET
 ) -> Tensor:

@@ -324,11 +324,12 @@ def scan_pairs(lm: Any, heads: pl.DataFrame, summary: Mapping[str, Any], k: int 
                evidence: pl.DataFrame | None = None, **kwargs: Any) -> tuple[pl.DataFrame, dict[str, Any]]:
     """Pairs for every task of a finished scan: each task's batch rebuilt as the scan built it. With the
     evidence stage's table (``evidence.parquet``), its roles steer the candidates (see :func:`rank_pairs`)."""
-    from discovery.artifacts import with_evidence
+    from discovery.artifacts import restore_refined, with_evidence
     from discovery.tasks import build_task
     from discovery.tasks.base import annotate
 
     heads = with_evidence(heads, evidence)
+    restore_refined(lm.inventory, heads)
 
     frames, fields = [], []
     for task, info in (summary.get("tasks") or {}).items():

@@ -206,3 +206,49 @@ def _pattern_margin(rows: list[dict[str, Any]], matter: list[dict[str, Any]], ro
     strongest = max(others, default=None)
     return {"metric": metric, "weakest_labelled": min(labelled), "strongest_other": strongest,
             "difference": None if strongest is None else min(labelled) - strongest}
+
+
+def channel_view(lm: LoadedModel) -> LoadedModel:
+    """The same model with every Mamba-1 channel its own head (group width 1)."""
+    from dataclasses import replace
+
+    from discovery.model.adapter import adapter_for
+
+    return replace(lm, adapter=adapter_for(lm.model, 1))
+
+
+def channel_truth(lm: LoadedModel, batch: AnnotatedBatch, *, scopes: tuple[str, ...] = ("all", "query"),
+                  effect: float = 0.1) -> dict[str, Any]:
+    """Exhaustive channel-level truth of a (small) Mamba-1 model: every channel of every Mamba-1 layer
+    zero-ablated alone at each of ``scopes`` (batched through the engine), and each channel's implicit-
+    attention pattern metrics. ``important``: the channels whose drop at the first scope is at least
+    ``effect`` of the clean logit difference (the evidence stage's threshold), largest first; ``cost``:
+    the sweep's forward-equivalents (layer-rows recomputed / (prompts x layers))."""
+    from discovery.measure import metrics
+
+    view = channel_view(lm)
+    engine = AblationEngine(view, batch)
+    clean_ld = float(engine.clean.logit_diff.mean())
+    groups = [g for g in view.inventory.groups if g.pattern == "mamba1"]
+    channels = [h for g in groups for h in g.heads()]
+    rows = [{"layer": h.layer, "channel": h.index} for h in channels]
+    before = engine.layer_rows
+    for scope in scopes:
+        eff = engine.effects(single_head_ablations(channels, "zero", (scope,)))
+        for row, ld, acc in zip(rows, eff.logit_diff.mean(1).tolist(), eff.acc.mean(1).tolist()):
+            row[f"d_ld_{scope}"], row[f"d_acc_{scope}"] = ld, acc
+    cost = (engine.layer_rows - before) / (engine.n_prompts * engine.n_active_layers)
+    values = pattern_metric_values(view, batch, layers=sorted({g.layer for g in groups}), kinds=["ssm"])
+    for (layer, _kind), named in values.items():
+        means = metrics.summarise(named)
+        for row in rows:
+            if row["layer"] == layer:
+                for name, v in means.items():
+                    value = float(v[row["channel"]])
+                    row[name] = None if math.isnan(value) else value
+    key = f"d_ld_{scopes[0]}"
+    important = sorted((r for r in rows if -r[key] >= effect * abs(clean_ld)), key=lambda r: r[key])
+    return {"clean": {"acc": float(engine.clean.acc.mean()), "logit_diff": clean_ld, "n_prompts": len(batch)},
+            "scopes": list(scopes), "effect": effect, "forward_equivalents": cost, "n_channels": len(rows),
+            "important": [{"layer": r["layer"], "channel": r["channel"], "drop": -r[key]} for r in important],
+            "channels": rows}

@@ -20,6 +20,7 @@ from discovery.report.first_screen import head_roles
 from discovery.report.sections import (
     classifier_section,
     decoys_section,
+    refinement_section,
     roles_section,
     top_heads_section,
     verdict_section,
@@ -168,7 +169,9 @@ def build_appendix(scan: Scan, heads: pl.DataFrame, n_layers: int, verdict: Verd
     roles = roles_section(scan, heads, verdict)
     if roles:
         sections.append(roles)
-    sections += [top_heads_section(scan, heads), decoys_section(scan, heads, verdict), clean_section(scan)]
+    sections += [top_heads_section(scan, heads), decoys_section(scan, heads, verdict)]
+    refined = refinement_section(scan, heads)
+    sections += ([refined] if refined else []) + [clean_section(scan)]
     cost = cost_section(scan)
     if cost:
         sections.append(cost)

@@ -69,6 +69,16 @@ def head_name(layer: int, head: int, kind: str) -> str:
     return f"L{layer}{'H' if kind == 'attn' else 'S'}{head}"
 
 
+def head_label(row: Mapping[str, Any]) -> str:
+    """A head table row's name, with its channels when it is a refined Mamba-1 channel head:
+    ``L1S32 (ch 42)``, ``L1S33 (ch 48-55)``."""
+    name = head_name(row["layer"], row["head"], row["kind"])
+    start, end = row.get("channel_start"), row.get("channel_end")
+    if start is None or end is None:
+        return name
+    return f"{name} (ch {start})" if end - start == 1 else f"{name} (ch {start}-{end - 1})"
+
+
 _HEAD_NAME = re.compile(r"^L(\d+)([HS])(\d+)$")
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from discovery.artifacts import PATTERNS_FILE, Scan
+from discovery.artifacts import PATTERNS_FILE, Scan, restore_refined
 from discovery.errors import GascanError
 from discovery.report.common import head_name
 
@@ -147,6 +147,10 @@ def example_for_report(scan: Scan, heads: pl.DataFrame, lm: Any = None) -> tuple
             return None, f"could not load {spec} for the example pattern ({err.problem})"
     if not chosen:
         return None, "no heads to show"
+    try:
+        restore_refined(lm.inventory, heads)  # refined Mamba-1 channel heads, as the sweep numbered them
+    except GascanError as err:
+        return None, f"the example pattern cannot show this scan's heads ({err.problem})"
     example = compute_example(lm, scan.summary, task, chosen)
     save_example(path, example)
     return example, ""

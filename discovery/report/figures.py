@@ -40,6 +40,11 @@ def _as_drops(frame: pl.DataFrame) -> pl.DataFrame:
                                if raw in frame.columns])
 
 
+def _group_heads(frame: pl.DataFrame) -> pl.DataFrame:
+    """The rows of group heads: refined Mamba-1 channel heads (``channel_start`` set) left out."""
+    return frame.filter(pl.col("channel_start").is_null()) if "channel_start" in frame.columns else frame
+
+
 def _matrix(frame: pl.DataFrame, column: str, n_layers: int, n_heads: int | None = None) -> np.ndarray:
     """``[layer, head]`` values of one column (NaN where absent)."""
     if n_heads is None:
@@ -66,7 +71,7 @@ def effect_map_figure(frame: pl.DataFrame, n_layers: int, tasks: Sequence[str],
     """The first screen's figure: per task (rows) and head kind (columns), a layer × head map of the drop in
     logit difference when the head is ablated at all positions (query-only where the scan has no
     all-position sweep); ``marks[task]`` = (layer, head, kind, "G"/"A")."""
-    frame = _as_drops(frame)
+    frame = _group_heads(_as_drops(frame))  # refined channel heads are marked on their group's cell instead
     column = next((c for c in ("drop_all", "drop_query") if c in frame.columns and frame[c].drop_nulls().len()),
                   None)
     if column is None or frame.height == 0:
@@ -110,8 +115,9 @@ def effect_map_figure(frame: pl.DataFrame, n_layers: int, tasks: Sequence[str],
 
 def heatmap_figure(frame: pl.DataFrame, n_layers: int, title: str,
                    marks: Sequence[tuple[int, int, str]] = ()) -> bytes | None:
-    """One panel per metric of :data:`HEATMAP_METRICS` present in ``frame`` (one task, one head kind)."""
-    frame = _as_drops(frame)
+    """One panel per metric of :data:`HEATMAP_METRICS` present in ``frame`` (one task, one head kind; refined
+    channel heads are left out: they overlap their groups)."""
+    frame = _group_heads(_as_drops(frame))
     metrics = [(c, label, scale) for c, label, scale in HEATMAP_METRICS
                if c in frame.columns and frame[c].drop_nulls().len() > 0]
     if not metrics or frame.height == 0:

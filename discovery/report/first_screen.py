@@ -14,7 +14,7 @@ import polars as pl
 
 from discovery.artifacts import Scan, missing_stages
 from discovery.rank.verdict import Verdict, decide, drop
-from discovery.report.common import Figure, Table, drop_ci, fmt, head_name, parse_head, signed
+from discovery.report.common import Figure, Table, drop_ci, fmt, head_label, parse_head, signed
 from discovery.report.figures import effect_map_figure
 
 MAX_RANKED = 10
@@ -104,13 +104,35 @@ def head_roles(verdict: Verdict | None, heads: pl.DataFrame) -> dict[tuple[str, 
     return out
 
 
+def refined_parents(heads: pl.DataFrame) -> dict[tuple[str, int, int, str], int]:
+    """(task, layer, head, kind) of each refined Mamba-1 channel head -> the group head that holds it."""
+    if "parent_head" not in heads.columns:
+        return {}
+    rows = heads.filter(pl.col("parent_head").is_not_null()).select("task", "layer", "head", "kind", "parent_head")
+    return {r[:4]: int(r[4]) for r in rows.iter_rows()}
+
+
 def marks(verdict: Verdict | None, heads: pl.DataFrame) -> dict[str, list[tuple[int, int, str, str]]]:
     """Per task the heads to mark on the effect map: the verdict's gather (G) and aggregate (A) heads (the
-    evidence roles when there is no verdict)."""
+    evidence roles when there is no verdict). A refined channel head is marked on the cell of the group
+    that holds it, starred (``A*``); a group refined to channels that have no role gets ``c``."""
+    parents = refined_parents(heads)
+    cells: dict[tuple[str, int, int, str], set[str]] = {}
+    for key, parent in parents.items():
+        cells.setdefault((key[0], key[1], parent, key[3]), set()).add("c")
+    for key, role in head_roles(verdict, heads).items():
+        if role not in ("gather", "aggregate"):
+            continue
+        text = "G" if role == "gather" else "A"
+        if key in parents:
+            key, text = (key[0], key[1], parents[key], key[3]), text + "*"
+        cells.setdefault(key, set()).add(text)
     out: dict[str, list[tuple[int, int, str, str]]] = {}
-    for (task, layer, head, kind), role in head_roles(verdict, heads).items():
-        if role in ("gather", "aggregate"):
-            out.setdefault(task, []).append((layer, head, kind, "G" if role == "gather" else "A"))
+    for (task, layer, head, kind), texts in sorted(cells.items()):
+        starred = sorted(t for t in texts if t.endswith("*"))
+        shown = starred or sorted(t for t in texts if t != "c") or ["c"]
+        out.setdefault(task, []).append((layer, head, kind, "".join(dict.fromkeys(t[0] for t in shown))
+                                         + ("*" if starred else "")))
     return out
 
 
@@ -142,7 +164,7 @@ def ranked_table(scan: Scan, heads: pl.DataFrame, verdict: Verdict | None, k: in
     body = []
     for _d, _ga, r, role in rows_shown:
         body.append(([r["task"]] if several else []) + [
-            head_name(r["layer"], r["head"], r["kind"]), (role or "none").replace("_", " "), drop_ci(r, column, 2),
+            head_label(r), (role or "none").replace("_", " "), drop_ci(r, column, 2),
             fmt(r.get("p_gather"), 2), fmt(r.get("p_aggregate"), 2), _pattern_metric(r, role)])
     clean = ", ".join(f"{t} {signed(scan.clean(t).get('logit_diff'), 2)}" for t in scan.tasks)
     more = len(rows) - len(body)
@@ -164,7 +186,10 @@ def build_first_screen(scan: Scan, heads: pl.DataFrame, n_layers: int) -> tuple[
         source = "the verdict's" if verdict is not None else "the evidence stage's"
         screen.figure = Figure("effect_map", "Drop in logit difference when one head is ablated", png,
                                caption=(f"Drop in logit difference when the head is ablated (all positions; red = "
-                                        f"the head helps). G / A: {source} gather and aggregate heads."),
+                                        f"the head helps). G / A: {source} gather and aggregate heads."
+                                        + (" Mamba-1 groups refined to channels: c, or G* / A* when a refined "
+                                           "channel head of that group has the role (the ranked heads name its "
+                                           "channels)." if refined_parents(heads) else "")),
                                element_id="effect-map")
     else:
         screen.figure_note = "No effect map: this scan ran no ablation."

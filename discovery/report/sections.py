@@ -11,7 +11,7 @@ import polars as pl
 
 from discovery.artifacts import Scan
 from discovery.rank.verdict import Verdict, drop
-from discovery.report.common import Section, Table, ci_only, drop_ci, drop_pct, fmt, head_name, signed
+from discovery.report.common import Section, Table, ci_only, drop_ci, drop_pct, fmt, head_label, head_name, signed
 from discovery.report.first_screen import OUTCOME_WORDS, ROLE_ORDER, head_roles
 
 MAX_LISTED = 10  # long head lists: the first ten, then "and N more"
@@ -88,7 +88,7 @@ def roles_section(scan: Scan, heads: pl.DataFrame, verdict: Verdict | None) -> S
         by_role: dict[str, list[str]] = {}
         for _o, _d, role, r in ranked:
             if r["task"] == task:
-                by_role.setdefault(role, []).append(head_name(r["layer"], r["head"], r["kind"]))
+                by_role.setdefault(role, []).append(head_label(r))
         if by_role:
             sec.paragraphs.append(f"{task}: " + "; ".join(f"{role.replace('_', ' ')} {listing(names)}"
                                                           for role, names in by_role.items()))
@@ -98,7 +98,7 @@ def roles_section(scan: Scan, heads: pl.DataFrame, verdict: Verdict | None) -> S
     rows = []
     for _o, _d, role, r in [x for x in ranked if x[2] != "other_important"] + \
             [x for x in ranked if x[2] == "other_important"][:MAX_LISTED]:
-        rows.append([r["task"], head_name(r["layer"], r["head"], r["kind"]), role.replace("_", " "),
+        rows.append([r["task"], head_label(r), role.replace("_", " "),
                      r.get("where") or "–", drop_pct(r.get("d_ld_all"), clean.get(r["task"])),
                      drop_ci(r, "d_ld_query"), drop_ci(r, "d_ld_segment"), drop_ci(r, "d_ld_summary"),
                      drop_ci(r, "mm_d_ld_all"), r.get("read_by") or "–"])
@@ -145,7 +145,7 @@ def top_heads_section(scan: Scan, heads: pl.DataFrame, k: int = MAX_LISTED) -> S
             continue
         clean = scan.clean(task).get("logit_diff")
         best = frame.filter(pl.col(column).is_not_null()).sort(column).head(k)
-        rows = [[task, head_name(r["layer"], r["head"], r["kind"]), drop_pct(r.get("d_ld_all"), clean),
+        rows = [[task, head_label(r), drop_pct(r.get("d_ld_all"), clean),
                  ci_only(r, "d_ld_all"), drop_ci(r, "d_ld_query"), signed(drop(r.get("atp_ld"))),
                  r.get("gather_score"), r.get("agg_select"), r.get("selectivity"), r.get("p_gather"),
                  r.get("p_aggregate"), (r.get("role") or "–").replace("_", " ")] for r in best.iter_rows(named=True)]
@@ -185,7 +185,7 @@ def decoys_section(scan: Scan, heads: pl.DataFrame, verdict: Verdict | None) -> 
     if part.height == 0:
         sec.paragraphs.append("None.")
         return sec
-    rows = [[r["task"], head_name(r["layer"], r["head"], r["kind"]), r.get("gather_score"), r.get("agg_select"),
+    rows = [[r["task"], head_label(r), r.get("gather_score"), r.get("agg_select"),
              r.get("selectivity"), drop_ci(r, "d_ld_all"), drop_ci(r, "d_ld_query")]
             for r in part.head(MAX_ROWS).iter_rows(named=True)]
     sec.tables.append(Table(["task", "head", "gather score", "agg select", "selectivity", "drop, all positions",
@@ -212,3 +212,42 @@ def classifier_section(scan: Scan, heads: pl.DataFrame) -> Section:
         sec.paragraphs.append(f"P({role}) ≥ 0.5: {listing(names, 'heads.parquet')}." if names
                               else f"P({role}) ≥ 0.5: no head.")
     return sec
+
+
+def refinement_section(scan: Scan, heads: pl.DataFrame) -> Section | None:
+    """Mamba-1 channel refinement per task: done (the refined heads, what the tree cost against ablating
+    every channel alone) or skipped and why; None for a scan with no Mamba-1 layers."""
+    records = {t: (scan.summary.get("tasks") or {}).get(t, {}).get("refinement") for t in scan.tasks}
+    records = {t: r for t, r in records.items() if r and r.get("reason") != "no Mamba-1 layers"}
+    if not records:
+        return None
+    sec = Section("Mamba-1 channel refinement")
+    sec.paragraphs.append(
+        "The channel groups whose drop counts were split in halves, level by level (all halves of a level in "
+        "one batched run), following the halves that count or hold a quarter of their parent's drop, until "
+        "single channels, or a group whose halves together no longer carry half its drop (a redundant set, "
+        "kept whole). Every node has its drop and its implicit-attention metrics (summary.json: refinement).")
+    rows = []
+    for task, r in records.items():
+        if r.get("status") != "done":
+            sec.paragraphs.append(f"{task}: skipped: {r.get('reason')}.")
+            continue
+        sec.paragraphs.append(
+            f"{task}: {r['groups_refined']} groups refined in {r['levels']} levels ({r['ablations']} ablations, "
+            f"{fmt(r['forward_equivalents'], 1)} forward-equivalents; every channel ablated alone would cost "
+            f"{fmt(r['channel_sweep_forward_equivalents'], 1)}): {len(r['leaves'])} heads.")
+        frame = heads.filter(pl.col("task") == task) if "task" in heads.columns else heads
+        by_index = {(x["layer"], x["head"]): x for x in frame.iter_rows(named=True)}
+        for leaf in r["leaves"]:
+            row = by_index.get((leaf["layer"], leaf["index"]), {})
+            rows.append([task, leaf["head"], _channels(leaf["channel_start"], leaf["channel_end"]), leaf["kind"],
+                         f"{leaf['drop']:+.2f} [{leaf['drop_lo']:+.2f}, {leaf['drop_hi']:+.2f}]",
+                         fmt(row.get("agg_select"), 2), fmt(row.get("gather_score"), 2)])
+    if rows:
+        sec.tables.append(Table(["task", "head", "channels", "kind", "drop [95% CI]", "agg_select", "gather_score"],
+                                rows, element_id="refinement"))
+    return sec
+
+
+def _channels(start: int, end: int) -> str:
+    return str(start) if end - start == 1 else f"{start}-{end - 1}"

@@ -10,7 +10,7 @@ from typing import Any
 
 from discovery.errors import GascanError
 
-ARCHES: tuple[str, ...] = ("transformer", "mamba2", "hybrid")
+ARCHES: tuple[str, ...] = ("transformer", "mamba1", "mamba2", "hybrid")
 TASKS: tuple[str, ...] = ("mc", "kv")
 SSM_INITS: tuple[str, ...] = ("bamba", "mamba2")
 LEGACY_SSM_INIT = "bamba"  # what hybrids recorded without an ssm_init were trained with
@@ -39,7 +39,7 @@ class TrainConfig:
     width: int = 128
     mlp_ratio: int = 2  # intermediate size = mlp_ratio * width (transformer and hybrid); 0 = no MLP
     ssm_heads: int = 8  # Mamba-2 heads per SSM layer (head dim = 2 * width / ssm_heads)
-    ssm_state: int = 32
+    ssm_state: int = 32  # state size per SSM head (Mamba-2) or per channel (Mamba-1)
     # Width of the Mamba-2 causal convolution (Mamba's default 4). Stacked width-4 convolutions reach
     # 3 tokens back per layer, enough to move an option's label to its last token without any SSM
     # head; a narrower one leaves longer-range moves to the SSM heads.

@@ -1,4 +1,4 @@
-"""Toy model builders: a Llama-style transformer, a Mamba-2 model and a Bamba hybrid.
+"""Toy model builders: a Llama-style transformer, a Mamba-1 model, a Mamba-2 model and a Bamba hybrid.
 
 Plain ``transformers`` configs and classes, so a trained toy model is an ordinary Hugging Face
 checkpoint that every later stage loads like a real one. One registry entry per ``--arch``.
@@ -44,6 +44,18 @@ def mamba2_config(cfg: TrainConfig, special: dict[str, int]):
     return Mamba2Config(
         **_common(cfg, special), num_heads=cfg.ssm_heads, head_dim=2 * cfg.width // cfg.ssm_heads,
         expand=2, n_groups=1, state_size=cfg.ssm_state, conv_kernel=cfg.conv_kernel, chunk_size=32,
+    )
+
+
+@TOY_ARCHES.register("mamba1", aliases=("mamba",))
+def mamba1_config(cfg: TrainConfig, special: dict[str, int]):
+    """Pure Mamba-1 stack (``MambaForCausalLM``): expand 2, so ``2 * width`` channels per layer, each with
+    its own ``ssm_state`` decays; no MLPs, no attention. Time-step rank ``width / 16`` (Mamba's default)."""
+    from transformers import MambaConfig
+
+    return MambaConfig(
+        **_common(cfg, special), state_size=cfg.ssm_state, expand=2, conv_kernel=cfg.conv_kernel,
+        time_step_rank=max(1, cfg.width // 16),
     )
 
 

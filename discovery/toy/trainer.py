@@ -39,6 +39,7 @@ from discovery.toy.data import (
     has_word_splits,
     task_prompts,
 )
+from discovery.toy.mamba1_scan import fast_mamba1
 from discovery.toy.models import build_model
 from discovery.toy.tokenizer import check_single_tokens, train_tokenizer
 
@@ -336,7 +337,7 @@ def train(cfg: TrainConfig, out_dir: Path | str, *, progress: bool = True, overw
         step = 0
         stopped_by = "steps"
         t0 = time.perf_counter()
-        with _progress(progress) as bar:
+        with _progress(progress) as bar, fast_mamba1(model):  # Mamba-1 mixers: the training-speed scan
             task_id = bar.add_task(f"{cfg.arch}/{cfg.task} seed {cfg.seed}", total=cfg.steps,
                                    loss="   -  ", acc=f"{acc:.3f}", unseen=_fmt(unseen))
             while step < cfg.steps:

@@ -33,6 +33,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int, default=_DEFAULTS.seed, help="seed of the task generators and bootstrap")
     parser.add_argument("--max-memory", type=float, default=_DEFAULTS.max_memory_mb, metavar="MB",
                         help="memory budget for batched ablation rows, in MiB (default: 512 rows)")
+    parser.add_argument("--refine-channels", action=argparse.BooleanOptionalAction, default=_DEFAULTS.refine_channels,
+                        help="Mamba-1: after the group sweep, split the channel groups that matter in halves, "
+                        "level by level, down to the channels that carry the effect (default on; the summary "
+                        "and report say when it was skipped and why)")
     parser.add_argument("--no-report", action="store_true", help="write the tables and the verdict only")
     parser.add_argument("--force", action="store_true",
                         help="start over in --out, removing the scan there (by default a rerun of the same scan "
@@ -84,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         from_file = (lambda name: load_task_options(args.task_options, name)) if args.task_options else None
         options = ScanOptions(tasks=tasks, task_options=pipeline.task_options(lm.files, tasks, given, from_file),
                               ablation=args.ablation, prompts=args.prompts, seed=args.seed,
-                              max_memory_mb=args.max_memory)
+                              max_memory_mb=args.max_memory, refine_channels=args.refine_channels)
         console.print(f"[bold]{escape(lm.name)}[/bold]: {lm.inventory.architecture}, {lm.inventory.n_layers} "
                       f"layers, {sum(lm.inventory.n_heads().values())} heads; tasks {', '.join(tasks)}")
         result = pipeline.run(lm, options, args.out, progress=progress, report=not args.no_report, force=args.force)
@@ -96,6 +100,9 @@ def run(args: argparse.Namespace) -> int:
         clean = info["clean"]
         console.print(f"{task}: accuracy {clean['acc']:.3f}, logit diff {clean['logit_diff']:.3f} "
                       f"({info['n_prompts']} prompts, {info['seconds']:.1f} s)")
+        line = refinement_line(info.get("refinement"))
+        if line:
+            console.print(f"{task}: {escape(line)}")
     console.print(f"[bold]verdict[/bold]: {escape(result.verdict.headline)}")
     if result.report is not None:
         console.print(f"report: {result.report}")
@@ -131,3 +138,15 @@ def print_stage_table(console: Any, summary: dict[str, Any]) -> None:
     console.print(f"{header[0]:<{width}}  {header[1]:>8}  {header[2]:>19}  {header[3]:>8}", highlight=False)
     for name, wall, fe, peak in cells:
         console.print(f"{name:<{width}}  {wall:>8}  {fe:>19}  {peak:>8}", highlight=False, markup=False)
+
+
+def refinement_line(ref: dict[str, Any] | None) -> str:
+    """One line on the Mamba-1 channel refinement of a task ("" for a model without Mamba-1 layers)."""
+    if not ref or ref.get("reason") == "no Mamba-1 layers":
+        return ""
+    if ref.get("status") != "done":
+        return f"channel refinement skipped: {ref.get('reason')}"
+    leaves = ", ".join(f"{x['head']} (channels {x['channel_start']}:{x['channel_end']})" for x in ref["leaves"])
+    return (f"channel refinement: {ref['groups_refined']} groups -> {len(ref['leaves'])} heads "
+            f"({leaves or 'none'}); {ref['forward_equivalents']} forward-equivalents "
+            f"(every channel alone: {ref['channel_sweep_forward_equivalents']})")

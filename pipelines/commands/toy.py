@@ -25,9 +25,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("toy", help="train toy models in which G&A emerges",
                                    description="Train toy models in which G&A emerges.")
     sub = parser.add_subparsers(dest="toy_command", metavar="ACTION")
-    t = sub.add_parser("train", help="train a transformer, Mamba-2 or hybrid toy model on a synthetic task",
+    t = sub.add_parser("train", help="train a transformer, Mamba-1, Mamba-2 or hybrid toy model on a synthetic task",
                        description="Deterministic toy-model trainer: same seed, same weights (on one machine).")
-    t.add_argument("--arch", default="transformer", help="transformer, mamba2 or hybrid (default transformer)")
+    t.add_argument("--arch", default="transformer", help="transformer, mamba1, mamba2 or hybrid (default transformer)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--out", required=True, type=Path, help="output directory (a Hugging Face model dir)")
     t.add_argument("--attn-layers", default=None, help="hybrid: attention layer indices (comma list)")
@@ -43,7 +43,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     tr.add_argument("model", nargs="?", default=None, help="model directory (default: the bundled toy model)")
     tr.add_argument("--prompts", type=int, default=128, help="test prompts (default 128)")
     tr.add_argument("--seed", type=int, default=1, help="seed of the test prompts")
-    tr.add_argument("--out", default=None, help="where to write (default: MODEL/truth.json)")
+    tr.add_argument("--out", default=None, help="where to write (default: MODEL/truth.json, or "
+                    "MODEL/truth_channels.json with --channels)")
+    tr.add_argument("--channels", action="store_true",
+                    help="Mamba-1: the channel-level truth instead: every channel of every Mamba-1 layer "
+                    "ablated alone (all positions and the query; batched), with its pattern metrics")
     tr.set_defaults(func=run_truth)
     pl_ = sub.add_parser("placement", help="check placement advice: train one hybrid per attention layer",
                          description="Rank the layers of a scanned model with `gascan place`, then train Bamba "
@@ -174,6 +178,8 @@ def run_truth(args: argparse.Namespace) -> int:
     task, options = next(iter(defaults.items()))
     prompts = build_task(task, {**options, "n": args.prompts, "seed": args.seed}).prompts()
     batch = annotate(prompts, lm.tokenizer, padding_side="left")
+    if args.channels:
+        return _channel_truth(args, lm, batch, task, options, console)
     from pipelines.progress import reporter, stage
 
     with reporter(console) as progress, stage(progress, f"ablating every head of {lm.name} on {task} "
@@ -183,6 +189,30 @@ def run_truth(args: argparse.Namespace) -> int:
     target = Path(args.out) if args.out else Path(lm.files[0]).parent / "truth.json"
     write_json(target, truth)
     console.print(truth_summary(truth))
+    console.print(f"wrote {target}")
+    return 0
+
+
+def _channel_truth(args: argparse.Namespace, lm, batch, task: str, options: dict, console) -> int:
+    """``gascan toy truth --channels``: :func:`discovery.rank.truth.channel_truth` -> truth_channels.json."""
+    from pathlib import Path
+
+    from discovery.errors import GascanError
+    from discovery.io import write_json
+    from discovery.rank.truth import channel_truth
+
+    if not any(g.pattern == "mamba1" for g in lm.inventory.groups):
+        raise GascanError(f"{lm.name} has no Mamba-1 layers", "drop --channels (it is for Mamba-1 models)")
+    with console.status(f"ablating every channel of {lm.name} on {task} ({len(batch)} prompts)"):
+        truth = channel_truth(lm, batch)
+    truth.update({"model": lm.name, "task": task, "task_options": options, "checkpoint": lm.checkpoint_hash(),
+                  "seed": args.seed})
+    target = Path(args.out) if args.out else Path(lm.files[0]).parent / "truth_channels.json"
+    write_json(target, truth)
+    top = ", ".join(f"L{r['layer']}C{r['channel']} ({r['drop']:+.2f})" for r in truth["important"][:12])
+    console.print(f"clean accuracy {truth['clean']['acc']:.3f}, logit diff {truth['clean']['logit_diff']:.3f}; "
+                  f"{len(truth['important'])} of {truth['n_channels']} channels drop it by >= "
+                  f"{truth['effect']:.0%}: {top or 'none'}; {truth['forward_equivalents']:.1f} forward-equivalents")
     console.print(f"wrote {target}")
     return 0
 
