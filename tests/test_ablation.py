@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from discovery.heads import HeadId
-from discovery.measure.ablation import Ablation, AblationEngine, keep_only, single_head_ablations
+from discovery.measure.ablation import Ablation, AblationEngine, Scores, keep_only, single_head_ablations
 from discovery.model.loading import load_model
 from discovery.model.tiny import TINY_CONFIGS
 from discovery.tasks.base import annotate
@@ -221,3 +221,21 @@ def test_mediated_share_is_the_cost_given_back():
     assert mediated_share(-4.0, -4.0) == 0.0 and mediated_share(-4.0, 0.0) == 1.0
     assert mediated_share(0.0, 0.0) is None and mediated_share(-0.1, 0.0, min_cost=0.5) is None
     assert mediated_share(float("nan"), 1.0) is None
+
+
+def test_predicted_cost_is_what_runs_cost_and_duplicates_run_once(engine):
+    """The planner's forward-equivalents equal the engine's own count of what ran (query fast path
+    included), and ablations that differ only in their label are computed once with the same scores."""
+    heads = [h for h in engine.inventory.heads() if h.index < 1]
+    distinct = single_head_ablations(heads, "zero", ("all",)) + single_head_ablations(heads, "zero", ("query",)) \
+        + single_head_ablations(heads, "mean", ("segment",))
+    with_copies = distinct + [Ablation(a.heads, a.method, a.scope, label=f"copy of {a.name}") for a in distinct[::2]]
+    predicted = engine.predicted_forward_equivalents(with_copies)
+    engine.layer_rows = 0
+    scores = engine.run(with_copies)
+    assert predicted == pytest.approx(engine.forward_equivalents, rel=1e-9)
+    assert predicted == pytest.approx(engine.predicted_forward_equivalents(distinct), rel=1e-9)
+    copies = scores.logit_diff[len(distinct):]
+    assert torch.equal(copies, scores.logit_diff[:len(distinct)][::2])
+    first = Scores(*(scores[m][:len(distinct)] for m in ("acc", "logit_diff", "gold_logprob")))
+    _close(first, engine.run_naive(distinct))

@@ -283,30 +283,47 @@ class AblationEngine:
         return query_scores(logits[None], self.batch)
 
     # -- edits ----------------------------------------------------------------------------------
-    def _proj_input(self, layer: int, kind: str) -> torch.Tensor:
-        """The clean out-projection input of one head group, ``[prompt, pos, in_features]`` (one forward)."""
-        captured: list[torch.Tensor] = []
+    def _proj_inputs(self, keys: Iterable[tuple[int, str]]) -> dict[tuple[int, str], torch.Tensor]:
+        """The clean out-projection inputs of several head groups, each ``[prompt, pos, in_features]``, in one
+        forward (a mean ablation over every layer needs one pass, not one per layer)."""
+        captured: dict[tuple[int, str], torch.Tensor] = {}
 
-        def grab(x: torch.Tensor) -> torch.Tensor:
-            captured.append(x.detach())
-            return x
+        def grab(key: tuple[int, str]) -> Callable[[torch.Tensor], torch.Tensor]:
+            def edit(x: torch.Tensor) -> torch.Tensor:
+                captured[key] = x.detach()
+                return x
+            return edit
 
-        with torch.no_grad(), self.intervener.run(PassConfig(proj_edits={(layer, kind): grab})):
-            self.model(**self._inputs(1))
-        return captured[0]
+        edits = {key: grab(key) for key in keys}
+        if edits:
+            with torch.no_grad(), self.intervener.run(PassConfig(proj_edits=edits)):
+                self.model(**self._inputs(1))
+        return captured
+
+    def _prefetch(self, ablations: Sequence[Ablation]) -> None:
+        """Capture, in one clean pass, every group input the ablations' mean edits and holds need."""
+        means = {(h.layer, h.kind) for a in ablations if a.method == "mean" for h in a.heads} - set(self._means)
+        holds = {(h.layer, h.kind) for a in ablations for h in a.hold} - set(self._clean_proj)
+        if not means and not holds:
+            return
+        captured = self._proj_inputs(means | holds)
+        for key in means:
+            self._means[key] = class_means(captured[key], self.classes)  # [class, in]
+        for key in holds:
+            self._clean_proj[key] = captured[key]
 
     def _mean_values(self, layer: int, kind: str) -> torch.Tensor:
         """Mean of the out-projection input per position class over the batch: ``[class, in_features]``."""
         key = (layer, kind)
         if key not in self._means:
-            self._means[key] = class_means(self._proj_input(layer, kind), self.classes)  # [class, in]
+            self._means[key] = class_means(self._proj_inputs([key])[key], self.classes)  # [class, in]
         return self._means[key]
 
     def _clean_values(self, layer: int, kind: str) -> torch.Tensor:
         """The clean out-projection input, kept for held heads: ``[prompt, pos, in_features]``."""
         key = (layer, kind)
         if key not in self._clean_proj:
-            self._clean_proj[key] = self._proj_input(layer, kind)
+            self._clean_proj[key] = self._proj_inputs([key])[key]
         return self._clean_proj[key]
 
     def plan(self, ablations: Sequence[Ablation], rows: slice | None = None) -> PassConfig:
@@ -378,12 +395,45 @@ class AblationEngine:
         return config
 
     # -- running --------------------------------------------------------------------------------
+    def _last_only(self, ablation: Ablation) -> bool:
+        """Whether ``ablation`` runs on the query fast path (only the last token recomputed)."""
+        return self.query_fast_path and ablation.scope == ("query",)
+
+    def predicted_forward_equivalents(self, ablations: Sequence[Ablation]) -> float:
+        """What :meth:`run` will cost for ``ablations``, in forward-equivalents of the whole model over the
+        batch, by the same count as :attr:`layer_rows` (layers recomputed × prompts; one token of T on the
+        query fast path): exact, so the evidence stage can plan within a budget before it runs anything."""
+        distinct = {replace(a, label=""): a for a in ablations}.values()
+        rows = sum((self.n_active_layers - a.first_layer) / (self.n_positions if self._last_only(a) else 1)
+                   for a in distinct)
+        return rows / self.inventory.n_layers
+
+    @property
+    def forward_equivalents(self) -> float:
+        """:attr:`layer_rows` so far, in forward-equivalents of the whole model over the batch."""
+        return self.layer_rows / (self.n_prompts * self.inventory.n_layers)
+
     def run(self, ablations: Sequence[Ablation], progress: Callable[[int], None] | None = None) -> Scores:
-        """Scores for every ablation, ``[ablation, prompt]``, batched and prefix-reusing."""
+        """Scores for every ablation, ``[ablation, prompt]``, batched and prefix-reusing. Ablations that differ
+        only in their label are computed once (control draws of neighbouring pairs overlap)."""
         ablations = list(ablations)
         if not ablations:
             return Scores(*(torch.empty(0, self.n_prompts) for _ in METRICS))
-        order = sorted(range(len(ablations)), key=lambda i: ablations[i].first_layer)
+        index: dict[Ablation, int] = {}
+        slot = [index.setdefault(replace(a, label=""), len(index)) for a in ablations]
+        if len(index) < len(ablations):
+            distinct = list(index)
+            scores = self._run(distinct, progress)
+            if progress is not None:
+                progress(len(ablations) - len(distinct))  # the duplicates are done too
+            pick = torch.tensor(slot)
+            return Scores(*(scores[m][pick] for m in METRICS))
+        return self._run(ablations, progress)
+
+    def _run(self, ablations: list[Ablation], progress: Callable[[int], None] | None) -> Scores:
+        """:meth:`run` for distinct ablations."""
+        self._prefetch(ablations)
+        order = sorted(range(len(ablations)), key=lambda i: (ablations[i].first_layer, self._last_only(ablations[i])))
         per_chunk = max(1, self.max_rows // self.n_prompts)
         results: dict[int, Scores] = {}
         start = 0
@@ -391,10 +441,11 @@ class AblationEngine:
             layer = ablations[order[start]].first_layer
             chunk = [order[start]]
             while (start + len(chunk) < len(order) and len(chunk) < per_chunk
-                   and ablations[order[start + len(chunk)]].first_layer == layer):
+                   and ablations[order[start + len(chunk)]].first_layer == layer
+                   and self._last_only(ablations[order[start + len(chunk)]]) == self._last_only(ablations[chunk[0]])):
                 chunk.append(order[start + len(chunk)])
             config = self._plan([ablations[i] for i in chunk])
-            last_only = self.query_fast_path and all(ablations[i].scope == ("query",) for i in chunk)
+            last_only = all(self._last_only(ablations[i]) for i in chunk)
             if layer > 0:
                 config.start_layer = layer
                 hidden = self.hidden[layer - 1][:, -1:] if last_only else self.hidden[layer - 1]
