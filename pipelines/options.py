@@ -28,13 +28,16 @@ class ScanOptions:
     bootstrap: int = 1000
     chunk_prompts: int = 16
     refine_channels: bool = True  # Mamba-1: split the channel groups that matter down to channels
+    budget: str = "auto"  # evidence + pairs per task: auto, none, N forward-equivalents or Ns seconds
 
     def __post_init__(self) -> None:
         if self.ablation not in ABLATION_MODES:
             raise GascanError(f"unknown ablation mode {self.ablation!r}", f"use one of: {', '.join(ABLATION_MODES)}")
-        from pipelines.validate import prompts
+        from pipelines.validate import budget, prompts
 
         prompts(self.prompts)  # 2 .. MAX_PROMPTS
+        budget(self.budget)  # auto, none, N or Ns
+        self.budget = str(self.budget)
 
     def options_for(self, task: str) -> dict[str, Any]:
         """The task generator's options: seed and prompt count, then the task's own options."""

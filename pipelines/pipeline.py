@@ -179,6 +179,9 @@ def finish(lm: LoadedModel | None, out: str | Path, *, start: str = "evidence", 
     scan = read_scan(out)
     unit = _unit_flops(scan.summary)
     scored = (scan.summary.get("options") or {}).get("ablation", "exact") != "none" and scan.heads.height > 0
+    from pipelines.validate import budget as parse_budget
+
+    budget = parse_budget((scan.summary.get("options") or {}).get("budget", "auto"))
 
     def commit(stage: str, files: Sequence[str], cost: Cost, **extra: Any) -> None:
         if tracked:
@@ -189,7 +192,7 @@ def finish(lm: LoadedModel | None, out: str | Path, *, start: str = "evidence", 
     if "evidence" in todo:
         with _stage("evidence") as meter:
             if scored:
-                tables, fields = scan_evidence(lm, scan.heads, scan.summary, progress=progress)
+                tables, fields = scan_evidence(lm, scan.heads, scan.summary, progress=progress, budget=budget)
                 write_evidence(out, tables, fields)
         commit("evidence", [f"{name}.parquet" for name in tables] if scored else [], meter.cost, skipped=not scored)
         scan = read_scan(out)
@@ -198,7 +201,7 @@ def finish(lm: LoadedModel | None, out: str | Path, *, start: str = "evidence", 
             if scored:
                 if progress:
                     progress("pairs (ranking, joint ablation)", 0, 1)
-                pairs, fields = scan_pairs(lm, scan.heads, scan.summary, evidence=scan.evidence)
+                pairs, fields = scan_pairs(lm, scan.heads, scan.summary, evidence=scan.evidence, budget=budget)
                 write_pairs(out, pairs, fields)
                 if progress:
                     progress("pairs (ranking, joint ablation)", 1, 1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import json
+import math
 import os
 import re
 import sys
@@ -218,3 +219,21 @@ def tasks(specs: Iterable[str], options_for: Callable[[str], Mapping[str, Any]] 
         if name == "jsonl":  # self-describing rows: check them all before the model loads
             opts = {"seed": seed, **({"n": n} if n else {}), **dict(options_for(spec) if options_for else {})}
             build_task(spec, opts).prompts()
+
+
+def budget(text: str | float | int | None) -> tuple[str, float | None]:
+    """A ``--budget`` value: ``auto`` (the default rule), ``none`` (unbounded), ``N`` (forward-equivalents per
+    task) or ``Ns`` (seconds per task, converted with the sweep's measured seconds per forward-equivalent)."""
+    value = "auto" if text is None else str(text).strip().lower()
+    if value in ("auto", "none"):
+        return value, None
+    unit = "s" if value.endswith("s") else "fe"
+    number = value[:-1] if unit == "s" else value.removesuffix("fe")
+    try:
+        amount = float(number)
+    except ValueError:
+        amount = float("nan")
+    if not amount > 0 or math.isinf(amount):
+        raise GascanError(f"--budget {text} is not a budget",
+                          "pass auto, none, a number of forward-equivalents (e.g. 200) or seconds (e.g. 600s)")
+    return unit, amount

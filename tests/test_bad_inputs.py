@@ -107,6 +107,7 @@ CASES: dict[str, tuple[list[str], int, str]] = {
     "scan --prompts 1": (S("--prompts", "1"), USAGE, "--prompts 1 is too few"),
     "scan --prompts abc": (S("--prompts", "abc"), USAGE, "invalid int value: 'abc'"),
     "scan --max-memory -5": (S("--max-memory", "-5"), USAGE, "--max-memory -5.0 is below 1"),
+    "scan --budget lots": (S("--budget", "lots"), USAGE, "--budget lots is not a budget"),
     "scan --ablation bogus": (S("--ablation", "bogus"), USAGE, "invalid choice: 'bogus'"),
     # the output path
     "scan --out existing file": (["scan", "--out", "{file}"], OUTPUT, "is an existing file"),

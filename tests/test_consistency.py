@@ -121,3 +121,9 @@ def test_fresh_scans_of_every_bundled_toy_are_consistent(name, tmp_path):
     assert result.verdict.tasks[0].outcome in ("verified", "ga_like", "none")
     stored = json.loads((tmp_path / name / "summary.json").read_text())["verdict"]
     assert stored == json.loads(json.dumps(result.verdict.as_dict()))
+    # the default evidence budget reaches the verdict of unbounded evidence on the same sweep (issue 23)
+    from tests.helpers import verdict_differences
+    from tests.test_budget import unbounded_copy
+
+    unbounded = pipeline.finish(lm, unbounded_copy(tmp_path / name, tmp_path / f"{name}-none"), report=False)
+    assert verdict_differences(result.verdict, unbounded.verdict) == []

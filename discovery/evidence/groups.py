@@ -11,6 +11,7 @@ from typing import Any
 import polars as pl
 import torch
 
+from discovery.evidence.budget import MIN_DRAWS, Ledger, fit
 from discovery.evidence.common import _heads_of, _num
 from discovery.evidence.thresholds import EvidenceThresholds
 from discovery.heads import HeadId
@@ -128,9 +129,36 @@ def control_draws(group: Sequence[HeadId], pool: Sequence[HeadId], n: int, seed:
     return draws
 
 
+def _budget_options(groups: Sequence[Group], n_controls: int) -> list[tuple[list[Group], int]]:
+    """(groups kept, control draws) from the full test down to the smallest: fewer controls first (not under
+    ``MIN_DRAWS``), then groups dropped, weak variants first, then gatherer layers, then the rest, last first."""
+    draws = sorted({n_controls, *(n for n in (24, MIN_DRAWS) if n < n_controls)}, reverse=True)
+    options = [(list(groups), n) for n in draws]
+    order = ([g for g in groups if g.name.endswith("(weak)")][::-1]
+             + [g for g in groups if g.role == "gather" and not g.name.endswith("(weak)")][::-1]
+             + [g for g in groups if g.role != "gather" and not g.name.endswith("(weak)")][::-1])
+    kept = list(groups)
+    for g in order[:-1]:  # the last group is always tested
+        kept = [x for x in kept if x is not g]
+        options.append((kept, draws[-1]))
+    return options
+
+
+def _spare_ablations(plans: Sequence[tuple[Group, Sequence[tuple[HeadId, ...]]]], rows: Sequence[int] | None,
+                     spare: Sequence[tuple[int, HeadId]] | None = None) -> list[Ablation]:
+    """The spare-one ablations: each significant group with one member left out (``spare`` pairs, or every
+    member of the groups ``rows``)."""
+    pairs = spare if spare is not None else [(r, h) for r in rows or [] for h in plans[r][0].heads]
+    out = []
+    for r, h in pairs:
+        g = plans[r][0]
+        out.append(Ablation(tuple(x for x in g.heads if x != h), "zero", g.scope, label=f"spare:{h}"))
+    return out
+
+
 def group_ablations(engine: AblationEngine, frame: pl.DataFrame, thresholds: EvidenceThresholds | None = None, *,
                     groups: Sequence[Group] | None = None, bootstrap: int = 1000, seed: int = 0,
-                    progress: Progress | None = None) -> pl.DataFrame:
+                    progress: Progress | None = None, ledger: Ledger | None = None) -> pl.DataFrame:
     """Each group's joint effect against random controls, and which members it needs.
 
     One row per group: ``group, role, scope, heads`` (names), ``n``, the joint effect ``effect`` (logit
@@ -140,19 +168,39 @@ def group_ablations(engine: AblationEngine, frame: pl.DataFrame, thresholds: Evi
     ``significant`` (large, beyond the controls' quantile, interval below 0), and for significant groups
     of two or more heads the spare-one test: ``marginal`` (per member: the drop lost when that member
     alone is spared, in logit difference) and ``credited`` (members whose marginal is >= noise * clean
-    with an interval above 0).
+    with an interval above 0). With a ``ledger`` the tests fit its allowance: fewer controls, then fewer groups,
+    then spare-one tests of fewer groups (each cut recorded in the ledger).
     """
     th = thresholds or EvidenceThresholds()
     clean_ld = float(engine.clean.logit_diff.mean())
     groups = list(groups) if groups is not None else role_groups(frame, th, clean_ld=clean_ld)
     pool = [h for h in engine.inventory.heads() if h.layer < engine.n_active_layers]
-    plans: list[tuple[Group, list[tuple[HeadId, ...]]]] = []
-    ablations: list[Ablation] = []
-    for g in groups:
-        draws = control_draws(g.heads, pool, th.n_controls, seed)
-        plans.append((g, draws))
-        ablations.append(Ablation(g.heads, "zero", g.scope, label=g.name))
-        ablations += [Ablation(d, "zero", g.scope, label=f"control:{g.name}") for d in draws]
+
+    def build(kept: Sequence[Group], n_draws: int) -> tuple[list[tuple[Group, list[tuple[HeadId, ...]]]], list[Ablation]]:
+        plans, ablations = [], []
+        for g in kept:
+            draws = control_draws(g.heads, pool, n_draws, seed)
+            plans.append((g, draws))
+            ablations.append(Ablation(g.heads, "zero", g.scope, label=g.name))
+            ablations += [Ablation(d, "zero", g.scope, label=f"control:{g.name}") for d in draws]
+        return plans, ablations
+
+    allowed = ledger.allowance("group ablations") if ledger is not None else None
+    options = _budget_options(groups, th.n_controls)
+    def cost_with_spares(option: tuple[list[Group], int]) -> float:
+        """The groups and their controls, and every spare-one test they could need (the credits)."""
+        plans, ablations = build(*option)
+        rows = [i for i, (g, _) in enumerate(plans) if len(g.heads) >= 2]
+        return engine.predicted_forward_equivalents(ablations) + engine.predicted_forward_equivalents(
+            _spare_ablations(plans, rows))
+
+    (kept, n_draws), _, fits = fit(options, cost_with_spares, allowed)
+    plans, ablations = build(kept, n_draws)
+    cost = engine.predicted_forward_equivalents(ablations)
+    if ledger is not None:
+        ledger.settings["group_controls"] = n_draws
+        ledger.charge("group ablations", allowed, cost, groups=len(kept), of=len(groups), controls=n_draws,
+                      untested=[g.name for g in groups if g not in kept], fits=fits)
     tick = stage_ticker(progress, "group ablations", len(ablations))
     effects = engine.effects(ablations, engine.run(ablations, progress=tick)) if ablations else None
     rows: list[dict[str, Any]] = []
@@ -183,11 +231,15 @@ def group_ablations(engine: AblationEngine, frame: pl.DataFrame, thresholds: Evi
         rows.append(row)
         if row["significant"] and len(g.heads) >= 2:
             spare += [(len(rows) - 1, h) for h in g.heads]
+    if spare and ledger is not None:  # the spare-one tests of as many significant groups as the budget leaves
+        allowed = ledger.allowance("group ablations")
+        cost_of = lambda some: engine.predicted_forward_equivalents(_spare_ablations(plans, some))
+        rows_with = sorted({r for r, _ in spare})
+        keep, cost, fits = fit([rows_with[:n] for n in range(len(rows_with), -1, -1)], cost_of, allowed)
+        ledger.charge("group ablations (spare one)", allowed, cost, groups=len(keep), of=len(rows_with), fits=fits)
+        spare = [(r, h) for r, h in spare if r in set(keep)]
     if spare:
-        spare_abl = []
-        for r, h in spare:
-            g = plans[r][0]
-            spare_abl.append(Ablation(tuple(x for x in g.heads if x != h), "zero", g.scope, label=f"spare:{h}"))
+        spare_abl = _spare_ablations(plans, None, spare)
         tick = stage_ticker(progress, "group ablations (spare one)", len(spare_abl))
         spared = engine.effects(spare_abl, engine.run(spare_abl, progress=tick)).logit_diff.double()  # [spare, prompt]
         for j, (r, h) in enumerate(spare):

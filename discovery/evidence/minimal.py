@@ -84,17 +84,19 @@ def minimal_depth(profile: pl.DataFrame, thresholds: EvidenceThresholds | None =
 
 def minimal_model_effects(lm: LoadedModel, batch: AnnotatedBatch, depth: int, heads: Iterable[HeadId] | None = None,
                           *, scopes: Sequence[str] = MINIMAL_SCOPES, bootstrap: int = 1000, seed: int = 0,
-                          max_memory_mb: float | None = None, progress: Progress | None = None
-                          ) -> tuple[pl.DataFrame, dict[str, float]]:
+                          max_memory_mb: float | None = None, progress: Progress | None = None,
+                          engine: AblationEngine | None = None) -> tuple[pl.DataFrame, dict[str, float]]:
     """Head ablations repeated inside the model truncated to ``depth`` layers.
 
     Returns the :func:`position_effects` table with columns prefixed ``mm_`` (heads of the kept layers
     only) and the truncated model's clean scores (``acc``, ``logit_diff``, ``gold_logprob``, ``chance``).
+    ``engine``: an engine of this batch already truncated to ``depth`` (saves its clean pass).
     """
     n_layers = lm.inventory.n_layers
     if not 1 <= depth <= n_layers:
         raise GascanError(f"minimal-model depth {depth} is outside 1..{n_layers}", "pass a depth from the profile")
-    engine = AblationEngine(lm, batch, readout_layer=depth - 1, max_memory_mb=max_memory_mb)
+    if engine is None or engine.readout_layer != depth - 1:
+        engine = AblationEngine(lm, batch, readout_layer=depth - 1, max_memory_mb=max_memory_mb)
     frame = position_effects(engine, heads, scopes=scopes, bootstrap=bootstrap, seed=seed, prefix="mm_",
                              progress=progress)
     return frame, _clean(engine)

@@ -34,15 +34,20 @@ def position_effects(engine: AblationEngine, heads: Iterable[HeadId] | None = No
         method, where = SCOPE_ABLATIONS[s]
         ablations += single_head_ablations(heads, method, where)
     tick = stage_ticker(progress, f"{prefix}position effects", len(ablations))
-    effects = engine.effects(ablations, engine.run(ablations, progress=tick))
+    effects = engine.effects(ablations, engine.run(ablations, progress=tick)) if ablations else None
     columns: dict[str, list[Any]] = {"layer": [h.layer for h in heads], "head": [h.index for h in heads],
                                      "kind": [h.kind for h in heads]}
     n = len(heads)
+    schema: dict[str, Any] = {"layer": pl.Int64, "head": pl.Int64, "kind": pl.Utf8}
     for k, s in enumerate(scopes):
         for metric, short in SHORT.items():
-            mean, lo, hi = bootstrap_ci(effects[metric][k * n:(k + 1) * n], bootstrap, seed=seed)
             name = f"{prefix}d_{short}_{s}"
+            schema.update({name: pl.Float64, f"{name}_lo": pl.Float64, f"{name}_hi": pl.Float64})
+            if effects is None:  # no heads to test: the columns, empty
+                columns[name] = columns[f"{name}_lo"] = columns[f"{name}_hi"] = []
+                continue
+            mean, lo, hi = bootstrap_ci(effects[metric][k * n:(k + 1) * n], bootstrap, seed=seed)
             columns[name] = mean.tolist()
             columns[f"{name}_lo"] = lo.tolist()
             columns[f"{name}_hi"] = hi.tolist()
-    return pl.DataFrame(columns, schema_overrides={"layer": pl.Int64, "head": pl.Int64, "kind": pl.Utf8})
+    return pl.DataFrame(columns, schema=schema)

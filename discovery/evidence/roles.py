@@ -76,7 +76,8 @@ def _where(row: Mapping[str, Any], th: EvidenceThresholds, ref: float, prefix: s
 
 def verdicts(frame: pl.DataFrame, groups: pl.DataFrame | None, thresholds: EvidenceThresholds | None = None, *,
              clean: Mapping[str, float], reads: pl.DataFrame | None = None,
-             minimal: Mapping[str, Any] | None = None) -> tuple[pl.DataFrame, dict[str, Any]]:
+             minimal: Mapping[str, Any] | None = None, unresolved: frozenset[str] = frozenset()
+             ) -> tuple[pl.DataFrame, dict[str, Any]]:
     """Per-head roles with their evidence, and the model's verdict.
 
     ``frame``: one row per head with the pattern metrics (``selectivity``, ``agg_select``,
@@ -94,12 +95,15 @@ def verdicts(frame: pl.DataFrame, groups: pl.DataFrame | None, thresholds: Evide
       from its layer's gatherer group), and a later ``aggregate`` head reads it (:func:`read_test`);
     - ``other_important``: any effect that counts (either sign, any scope) or credit from any group;
     - ``decoy``: a G&A-like pattern and no effect at any scope (each within ``noise`` of the clean logit
-      difference or with an interval including 0), in the minimal model too, and no group credit;
+      difference or with an interval including 0), in the minimal model too, and no group credit; never a
+      head the evidence budget left untested (``tested`` false: only the sweep's scopes were measured) or
+      a member of a group the budget did not test (``unresolved``: its group credit is unknown);
     - ``none``: the rest.
 
     Group credit: a member of a significant group is credited when sparing it alone restores at least
     ``noise`` of the clean logit difference; when a significant role group of two or more heads credits
-    nobody (an effect too spread to resolve), every member shares it ("jointly").
+    nobody (an effect too spread to resolve), every member shares it ("jointly"); a group whose spare-one test
+    the budget skipped (``marginal`` null) credits nobody, and its members are ``unresolved``.
 
     Verdict: ``clean`` when an aggregate head with its own query effect is read-linked to a gather head
     with its own segment effect; ``distributed`` when G&A roles exist but only through groups (single
@@ -118,7 +122,7 @@ def verdicts(frame: pl.DataFrame, groups: pl.DataFrame | None, thresholds: Evide
             sig_groups.append(g)
             for h in g["credited"] or []:
                 credits.setdefault(h, []).append(g["group"])
-            if not g["credited"] and g["n"] >= 2 and g["role"] in ("aggregate", "gather"):
+            if not g["credited"] and g["n"] >= 2 and g["role"] in ("aggregate", "gather") and g["marginal"] is not None:
                 # too spread for the spare-one test to resolve: every member shares the joint effect
                 for h in g["heads"]:
                     credits.setdefault(h, []).append(f"{g['group']} (jointly)")
@@ -149,7 +153,8 @@ def verdicts(frame: pl.DataFrame, groups: pl.DataFrame | None, thresholds: Evide
         any_effect = (any(e.some(clean_ld, th.effect) for e in eff.values())
                       or any(e.some(mm_ld, th.effect) for e in mm.values()))
         no_effect = (not any(e.some(clean_ld, th.noise) for e in eff.values())
-                     and not any(e.some(mm_ld, th.noise) for e in mm.values()) and not mine)
+                     and not any(e.some(mm_ld, th.noise) for e in mm.values()) and not mine
+                     and name not in unresolved)
         info[name] = {"head": h, "agg_pattern": agg_pattern, "gather_pattern": gather_pattern, "q_single": q_single,
                       "q_group": q_group, "s_single": s_single, "s_group": s_group, "any_effect": any_effect,
                       "no_effect": no_effect, "credits": mine, "row": row, "sel_ok": sel_ok}
@@ -170,8 +175,8 @@ def verdicts(frame: pl.DataFrame, groups: pl.DataFrame | None, thresholds: Evide
             continue
         if task_done and (v["any_effect"] or v["credits"]):
             v["role"] = "other_important"
-        elif (v["agg_pattern"] or v["gather_pattern"]) and v["no_effect"]:
-            v["role"] = "decoy"
+        elif (v["agg_pattern"] or v["gather_pattern"]) and v["no_effect"] and v["row"].get("tested") is not False:
+            v["role"] = "decoy"  # a head the budget left untested is no decoy: its other scopes were not measured
         else:
             v["role"] = "none"
 
@@ -238,6 +243,8 @@ def _evidence_text(v: Mapping[str, Any], th: EvidenceThresholds, clean_ld: float
                                             for r in v["readers"]))
     if v["role"] == "decoy":
         parts.append(f"pattern without effect: every |effect| < {th.noise:.0%} of clean or interval includes 0")
+    if row.get("tested") is False:
+        parts.append("untested beyond the sweep (evidence budget)")
     return "; ".join(parts)
 
 

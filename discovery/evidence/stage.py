@@ -11,15 +11,16 @@ import polars as pl
 import torch
 
 from discovery.errors import GascanError
+from discovery.evidence.budget import CANDIDATE_LIMITS, Ledger, choose_candidates, fit, resolve_budget
 from discovery.evidence.common import _clean, _heads_of, _num
-from discovery.evidence.groups import group_ablations
+from discovery.evidence.groups import group_ablations, role_groups
 from discovery.evidence.minimal import depth_profile, minimal_depth, minimal_model_effects
 from discovery.evidence.positions import position_effects
 from discovery.evidence.reads import read_test
 from discovery.evidence.roles import lives_at, verdicts
 from discovery.evidence.thresholds import MINIMAL_SCOPES, SCOPE_ABLATIONS, SHORT, EvidenceThresholds
 from discovery.heads import HeadId
-from discovery.measure.ablation import AblationEngine, Progress
+from discovery.measure.ablation import AblationEngine, Progress, single_head_ablations
 from discovery.model.loading import LoadedModel
 from discovery.tasks.base import AnnotatedBatch
 
@@ -60,6 +61,21 @@ class EvidenceReport:
         return out
 
 
+def _scope_args(scope: str) -> tuple[str, tuple[str, ...]]:
+    """``single_head_ablations``'s method and positions for an evidence scope."""
+    return SCOPE_ABLATIONS[scope]
+
+
+def _strongest(frame: pl.DataFrame, clean_ld: float, th: EvidenceThresholds, heads: list[HeadId],
+               n: int) -> list[HeadId]:
+    """The ``n`` of ``heads`` the candidate rule ranks first (all of them when ``n`` covers them)."""
+    if n >= len(heads):
+        return list(heads)
+    keep = set(heads)
+    rows = [i for i, h in enumerate(_heads_of(frame)) if h in keep]
+    return choose_candidates(frame[rows], clean_ld, th, n)[0]
+
+
 def _jsonable(value: Any) -> Any:
     if isinstance(value, float):
         return _num(value)
@@ -73,14 +89,16 @@ def _jsonable(value: Any) -> Any:
 def evidence_report(lm: LoadedModel, batch: AnnotatedBatch, frame: pl.DataFrame,
                     thresholds: EvidenceThresholds | None = None, *, engine: AblationEngine | None = None,
                     bootstrap: int = 1000, seed: int = 0, max_memory_mb: float | None = None,
-                    progress: Progress | None = None) -> EvidenceReport:
+                    progress: Progress | None = None, ledger: Ledger | None = None) -> EvidenceReport:
     """Position-resolved effects, the minimal model, group ablations, read tests and verdicts for one
     task of a scan.
 
     ``frame`` is the scan's head table for this task (``scan_task``'s first result): its pattern metrics
     are used as they are; effect columns it already has (``d_*_all``, ``d_*_query``) are kept and only
     the missing scopes are run. ``engine`` may be the scan's engine for the same batch (saves its clean
-    pass). Every head of ``frame`` is tested; groups and controls draw from the whole model.
+    pass). ``ledger`` (:class:`~discovery.evidence.budget.Ledger`) bounds the tests' cost: the heads tested beyond
+    the sweep follow the candidate rule of :mod:`discovery.evidence.budget` (unbounded: every head of ``frame``);
+    groups and controls draw from the whole model.
     """
     th = thresholds or EvidenceThresholds()
     _check_candidates(batch)
@@ -91,6 +109,7 @@ def evidence_report(lm: LoadedModel, batch: AnnotatedBatch, frame: pl.DataFrame,
     if missing:
         raise GascanError(f"the head table has no {missing[0]} column", "scan with the pattern pass enabled")
     engine = engine or AblationEngine(lm, batch, max_memory_mb=max_memory_mb)
+    ledger = ledger or Ledger(None)
     clean = _clean(engine)
     heads = _heads_of(frame)
 
@@ -98,18 +117,58 @@ def evidence_report(lm: LoadedModel, batch: AnnotatedBatch, frame: pl.DataFrame,
                                                for short in SHORT.values() for end in ("", "_lo", "_hi"))]
     todo = [s for s in SCOPE_ABLATIONS if s not in have]
     table = frame
-    if todo:
-        effects = position_effects(engine, heads, scopes=todo, bootstrap=bootstrap, seed=seed, progress=progress)
-        table = table.join(effects, on=["layer", "head", "kind"], how="left")
+    # the candidates: every head when unbounded, else the rule's strongest that the allowance affords
+    allowed = ledger.allowance("position effects")
+    limits = [None] if ledger.budget is None else [None, *(n for n in CANDIDATE_LIMITS if n < len(heads))]
 
+    def tested(limit: int | None) -> list[HeadId]:
+        return choose_candidates(frame, clean["logit_diff"], th, limit)[0]
+
+    def position_cost(limit: int | None) -> float:
+        return engine.predicted_forward_equivalents(
+            [a for s in todo for a in single_head_ablations(tested(limit), *_scope_args(s))])
+
+    limit, cost, fits = fit(limits, position_cost, allowed)
+    candidates, why = choose_candidates(frame, clean["logit_diff"], th, limit)
+    ledger.settings["candidates"] = len(candidates)
+    ledger.charge("position effects", allowed, cost, heads=len(candidates), of=len(heads), fits=fits)
+    if todo:
+        effects = position_effects(engine, candidates, scopes=todo, bootstrap=bootstrap, seed=seed, progress=progress)
+        table = table.join(effects, on=["layer", "head", "kind"], how="left")
+    chosen = {str(h) for h in candidates}
+    table = table.with_columns(pl.Series("tested", [str(h) in chosen for h in heads], dtype=pl.Boolean),
+                               pl.Series("tested_because", [why.get(h) if str(h) in chosen else None for h in heads],
+                                         dtype=pl.Utf8))
+
+    groups = group_ablations(engine, table, th, bootstrap=bootstrap, seed=seed, progress=progress, ledger=ledger)
+    ran = set(groups["group"].to_list()) if groups.height else set()
+    unresolved = frozenset(  # members of groups the budget left untested or unresolved: never decoys
+        [str(h) for g in role_groups(table, th, clean_ld=clean["logit_diff"]) if g.name not in ran for h in g.heads]
+        + [h for g in (groups.iter_rows(named=True) if groups.height else [])
+           if g["significant"] and g["n"] >= 2 and g["marginal"] is None for h in g["heads"]])
     profile = depth_profile(lm, batch)
+    ledger.charge("depth profile", None, 1.0)
     depth = minimal_depth(profile, th)
     minimal: dict[str, Any] = {"depth": depth, "n_layers": lm.inventory.n_layers, "metric": th.depth_metric,
                                "keep": th.keep}
     if depth is not None and depth < lm.inventory.n_layers:
-        mm, mm_clean = minimal_model_effects(lm, batch, depth, [h for h in heads if h.layer < depth],
-                                             bootstrap=bootstrap, seed=seed, max_memory_mb=max_memory_mb,
-                                             progress=progress)
+        mm_engine = AblationEngine(lm, batch, readout_layer=depth - 1, max_memory_mb=max_memory_mb)
+        below = [h for h in candidates if h.layer < depth]
+        allowed = ledger.allowance("minimal model")
+        sizes = sorted({len(below), *(n for n in CANDIDATE_LIMITS if n < len(below))}, reverse=True)
+
+        def mm_heads(n: int) -> list[HeadId]:
+            return _strongest(frame, clean["logit_diff"], th, below, n)
+
+        def mm_cost(n: int) -> float:
+            return mm_engine.predicted_forward_equivalents(
+                [a for s in MINIMAL_SCOPES for a in single_head_ablations(mm_heads(n), *_scope_args(s))])
+
+        n_mm, cost, fits = fit(sizes or [0], mm_cost, allowed)
+        ledger.charge("minimal model", allowed, cost + depth / lm.inventory.n_layers, heads=n_mm, of=len(below),
+                      fits=fits)
+        mm, mm_clean = minimal_model_effects(lm, batch, depth, mm_heads(n_mm), bootstrap=bootstrap, seed=seed,
+                                             max_memory_mb=max_memory_mb, progress=progress, engine=mm_engine)
         table = table.join(mm, on=["layer", "head", "kind"], how="left")
         clean["mm_logit_diff"] = mm_clean["logit_diff"]
         minimal["clean"] = mm_clean
@@ -120,26 +179,29 @@ def evidence_report(lm: LoadedModel, batch: AnnotatedBatch, frame: pl.DataFrame,
         clean["mm_logit_diff"] = clean["logit_diff"]
         minimal["clean"] = {k: v for k, v in clean.items() if k != "mm_logit_diff"}
 
-    groups = group_ablations(engine, table, th, bootstrap=bootstrap, seed=seed, progress=progress)
     # first pass: which heads aggregate; then read tests of gather candidates against them
-    roles, _ = verdicts(table, groups, th, clean=clean, minimal=minimal)
+    roles, _ = verdicts(table, groups, th, clean=clean, minimal=minimal, unresolved=unresolved)
     aggregates = [HeadId(r["layer"], r["head"], r["kind"]) for r in roles.iter_rows(named=True)
                   if r["role"] == "aggregate"]
     pre = {r["name"]: r for r in roles.iter_rows(named=True)}
-    candidates = []
-    for row in table.iter_rows(named=True):
+    readers = []  # gather candidates for the read test, strongest gather pattern first
+    for row in sorted(table.iter_rows(named=True), key=lambda r: -(_num(r.get("gather_score")) or 0.0)):
         h = HeadId(int(row["layer"]), int(row["head"]), str(row["kind"]))
         gs = _num(row.get("gather_score"))
         seg = lives_at(row, "segment", th, clean["logit_diff"], clean.get("mm_logit_diff"))
         credited = "gatherers" in (pre[str(h)]["credited_by"] or "")
         if gs is not None and gs >= th.gather_score and (seg or credited) and any(a.layer > h.layer for a in aggregates):
-            candidates.append(h)
+            readers.append(h)
+    # the read tests are never cut: a pass per gather candidate, and without them no head can be a gather head
+    gathers = readers
+    ledger.charge("read tests", ledger.allowance("read tests"), (1 + len(gathers)) if gathers else 0.0,
+                  gathers=len(gathers))
     if progress:
-        progress("read tests", 0, len(candidates))
-    reads = read_test(engine, candidates, aggregates, th)
+        progress("read tests", 0, len(gathers))
+    reads = read_test(engine, gathers, aggregates, th)
     if progress:
-        progress("read tests", len(candidates), len(candidates))
-    roles, verdict = verdicts(table, groups, th, clean=clean, reads=reads, minimal=minimal)
+        progress("read tests", len(gathers), len(gathers))
+    roles, verdict = verdicts(table, groups, th, clean=clean, reads=reads, minimal=minimal, unresolved=unresolved)
     heads_out = table.join(roles.drop("name"), on=["layer", "head", "kind"], how="left")
     if tasks:  # name the task in every table, so several tasks' tables concatenate
         groups, profile, reads = (f.with_columns(pl.lit(tasks[0]).alias("task")) for f in (groups, profile, reads))
@@ -155,17 +217,20 @@ def evidence_report(lm: LoadedModel, batch: AnnotatedBatch, frame: pl.DataFrame,
         "groups": groups.to_dicts(),
         "reads": reads.to_dicts(),
         "thresholds": th.as_dict(),
+        "budget": ledger.record(),
+        "untested": [str(h) for h in heads if str(h) not in chosen],
     }
     return EvidenceReport(_jsonable(summary), heads_out, groups, profile, reads)
 
 
 def scan_evidence(lm: LoadedModel, heads: pl.DataFrame, summary: Mapping[str, Any],
-                  thresholds: EvidenceThresholds | None = None, **kwargs: Any
-                  ) -> tuple[dict[str, pl.DataFrame], dict[str, Any]]:
+                  thresholds: EvidenceThresholds | None = None, *, budget: tuple[str, float | None] = ("auto", None),
+                  **kwargs: Any) -> tuple[dict[str, pl.DataFrame], dict[str, Any]]:
     """:func:`evidence_report` for every task of a finished scan (``heads.parquet`` + ``summary.json``),
     each task's batch rebuilt exactly as the scan built it. Returns the tables of all tasks concatenated
     (``evidence``, ``evidence_groups``, ``evidence_depth``, ``evidence_reads``; each row names its task)
-    and the summary field ``{"evidence": {task: report summary}}``."""
+    and the summary field ``{"evidence": {task: report summary}}``. ``budget``: the parsed ``--budget``
+    (:func:`~discovery.evidence.budget.resolve_budget`), one budget per task."""
     from discovery.artifacts import restore_refined
     from discovery.tasks import build_task
     from discovery.tasks.base import annotate
@@ -183,7 +248,9 @@ def scan_evidence(lm: LoadedModel, heads: pl.DataFrame, summary: Mapping[str, An
         frame = heads.filter(pl.col("task") == task) if "task" in heads.columns else heads
         kwargs.setdefault("bootstrap", int(options.get("bootstrap", 1000)))
         kwargs.setdefault("max_memory_mb", options.get("max_memory_mb"))
-        report = evidence_report(lm, batch, frame, thresholds, seed=int(task_options.get("seed", 0)), **kwargs)
+        fe = resolve_budget(*budget, [h.layer for h in lm.inventory.heads()], lm.inventory.n_layers, info)
+        report = evidence_report(lm, batch, frame, thresholds, seed=int(task_options.get("seed", 0)),
+                                 ledger=Ledger(fe), **kwargs)
         per_task[task] = report.summary
         for name, table in (("evidence", report.heads), ("evidence_groups", report.groups),
                             ("evidence_depth", report.profile), ("evidence_reads", report.reads)):

@@ -51,6 +51,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -58,6 +59,7 @@ import polars as pl
 import torch
 
 from discovery.errors import GascanError
+from discovery.evidence.budget import Ledger, fit, resolve_budget
 from discovery.heads import HeadId
 from discovery.measure.ablation import Ablation, AblationEngine, mediated_share
 from discovery.measure.metrics import selection
@@ -124,11 +126,14 @@ def _relative_drop(clean: float, ablated: float) -> float | None:
 def rank_pairs(lm: Any, batch: Any, heads_frame: pl.DataFrame, k: int = 3, *, summary: Mapping[str, Any] | None = None,
                clf: Any = None, engine: AblationEngine | None = None, n_gather: int = 6, n_aggregate: int = 6,
                control_draws: int = 50, bootstrap: int = 1000, seed: int = 0,
-               task: str | None = None) -> tuple[pl.DataFrame, dict[str, Any]]:
+               task: str | None = None, ledger: Ledger | None = None) -> tuple[pl.DataFrame, dict[str, Any]]:
     """Rank candidate pairs of one task (see module docstring).
 
     Returns the pairs table (one row per candidate pair, best first, verification columns filled for the
-    top ``k``) and the summary fields ``top_pairs``, ``gather_heads`` and ``aggregate_heads``.
+    top ``k``) and the summary fields ``top_pairs``, ``gather_heads`` and ``aggregate_heads``. A ``ledger``
+    (:class:`~discovery.evidence.budget.Ledger`) bounds the cost: fewer candidates by probability (the evidence
+    stage's role heads always stay), then fewer of the top ``k`` verified (each keeps its ``control_draws``
+    controls); each head's single effect is the sweep's ``d_ld_all`` where the table has it.
     """
     frame = heads_frame
     if task is not None:
@@ -143,47 +148,72 @@ def rank_pairs(lm: Any, batch: Any, heads_frame: pl.DataFrame, k: int = 3, *, su
     # its decoys (pattern without effect at any scope) never are
     roles = frame["role"].to_list() if "role" in frame.columns else [None] * len(head_ids)
     decoy = {h for h, r in zip(head_ids, roles) if r == "decoy"}
-    gather_rank = [head_ids[i] for i in np.argsort(-p_g, kind="stable") if head_ids[i] not in decoy][:n_gather]
-    aggregate_rank = [head_ids[i] for i in np.argsort(-p_a, kind="stable") if head_ids[i] not in decoy][:n_aggregate]
-    gather_rank += [h for h, r in zip(head_ids, roles) if r == "gather" and h not in gather_rank]
-    aggregate_rank += [h for h, r in zip(head_ids, roles) if r == "aggregate" and h not in aggregate_rank]
     role_of = dict(zip(head_ids, roles))
     prob = {h: (float(p_g[i]), float(p_a[i])) for i, h in enumerate(head_ids)}
+
+    def pairs_of(n_g: int, n_a: int) -> list[tuple[HeadId, HeadId]]:
+        """Candidate pairs from the top ``n_g`` / ``n_a`` heads by probability and every evidence-role head."""
+        g_rank = [head_ids[i] for i in np.argsort(-p_g, kind="stable") if head_ids[i] not in decoy][:n_g]
+        a_rank = [head_ids[i] for i in np.argsort(-p_a, kind="stable") if head_ids[i] not in decoy][:n_a]
+        g_rank += [h for h, r in zip(head_ids, roles) if r == "gather" and h not in g_rank]
+        a_rank += [h for h, r in zip(head_ids, roles) if r == "aggregate" and h not in a_rank]
+        return [(g, a) for g in g_rank for a in a_rank if g.layer < a.layer]
 
     def role_weight(h: HeadId, which: int) -> float:
         """A head's weight for a role in the pair score: 1 when the evidence stage gave it that role (it
         passed the causal test at its positions), else the classifier's probability."""
         return 1.0 if role_of.get(h) == ("gather", "aggregate")[which] else prob[h][which]
-    candidates = [(g, a) for g in gather_rank for a in aggregate_rank if g.layer < a.layer]
     fields: dict[str, Any] = {"gather_heads": _role_list(head_ids, p_g, task), "aggregate_heads":
                               _role_list(head_ids, p_a, task), "pair_probabilities": source}
-    if not candidates:
+    if not pairs_of(n_gather, n_aggregate):
         fields["top_pairs"] = []
         return pl.DataFrame(schema={c: pl.Float64 for c in PAIR_COLUMNS}).clear(), fields
 
     engine = engine or AblationEngine(lm, batch)
+    ledger = ledger or Ledger(None)
+    known = _sweep_singles(frame, head_ids)  # the sweep's own all-position effects: not run again
+
+    def ranking_ablations(pairs: list[tuple[HeadId, HeadId]]) -> list[Ablation]:
+        singles = sorted({h for p in pairs for h in p} - set(known))
+        out = [Ablation((h,), label=str(h)) for h in singles]
+        for g in sorted({g for g, _ in pairs}):
+            seg = Ablation((g,), "zero", ("segment",))
+            out += [seg, *(replace(seg, hold=(a,)) for g2, a in pairs if g2 == g)]
+        return out
+
+    def ranking_cost(pairs: list[tuple[HeadId, HeadId]]) -> float:
+        n_passes = 1 + len({g for g, _ in pairs})  # patterns: clean, and under each gather head
+        return engine.predicted_forward_equivalents(ranking_ablations(pairs)) + n_passes
+
+    def verification_reserve(pairs: list[tuple[HeadId, HeadId]]) -> float:
+        """The least the verification will cost: the best pair's joint ablation and its controls."""
+        deepest = max((engine.n_active_layers - g.layer) / engine.inventory.n_layers for g, _ in pairs)
+        return (1 + control_draws) * deepest
+
+    allowed = ledger.allowance("pairs")
+    sizes = [(n_gather, n_aggregate), *((n, n) for n in (4, 3, 2, 1) if n < min(n_gather, n_aggregate))]
+    (n_g, n_a), _, fits = fit(sizes, lambda n: ranking_cost(pairs_of(*n)) + verification_reserve(pairs_of(*n)),
+                              allowed)
+    candidates = pairs_of(n_g, n_a)
     gs = sorted({g for g, _ in candidates})
     as_ = sorted({a for _, a in candidates})
-    singles = {h: i for i, h in enumerate(sorted(set(gs) | set(as_)))}
-    ablations = [Ablation((h,), label=str(h)) for h in singles]
-    ablations += [Ablation((g, a), label=f"{g}+{a}") for g, a in candidates]
-    effects = engine.effects(ablations)  # [ablation, prompt]
-    ld = effects["logit_diff"].double()
-    acc = effects["acc"].double()
-    single = ld[: len(singles)].mean(-1)  # [head]
-    joint = ld[len(singles):]  # [pair, prompt]
+    run_singles = sorted((set(gs) | set(as_)) - set(known))
+    measured = engine.effects([Ablation((h,), label=str(h)) for h in run_singles]).logit_diff.double().mean(-1) \
+        if run_singles else torch.empty(0)
+    single = {**known, **{h: float(measured[i]) for i, h in enumerate(run_singles)}}
     # the mediation test: each gather head at the segments, alone and with each partner held at the query
     partners = {g: [a for g2, a in candidates if g2 == g] for g in gs}
     mediation = {g: engine.mediation(Ablation((g,), "zero", ("segment",)), [(a,) for a in partners[g]]) for g in gs}
     held_cost = {(g, a): held for g in gs for a, held in zip(partners[g], mediation[g][1])}
     min_cost = MIN_MEDIATED_COST * abs(float(engine.clean.logit_diff.mean()))
+    reserve_note = {"gather": len(gs), "aggregate": len(as_), "pairs": len(candidates), "fits": fits}
 
     clean_agg = aggregate_metrics_under(lm, batch, None, as_)
     under = {g: aggregate_metrics_under(lm, batch, g, partners[g], engine=engine) for g in gs}
 
     rows = []
     for i, (g, a) in enumerate(candidates):
-        d_g, d_a = float(single[singles[g]]), float(single[singles[a]])
+        d_g, d_a = single[g], single[a]
         mediated = mediated_share(mediation[g][0], held_cost[(g, a)], min_cost)
         mediated = None if mediated is None else float(min(1.0, max(0.0, mediated)))
         sel_c, foc_c = selection(clean_agg[a]), clean_agg[a]["agg_focus"]
@@ -205,7 +235,14 @@ def rank_pairs(lm: Any, batch: Any, heads_frame: pl.DataFrame, k: int = 3, *, su
                             lambda r: r["score"])
     for rank, r in enumerate(rows, 1):
         r["rank"] = rank
-    _verify(engine, rows[:k], candidates, joint, acc[len(singles):], control_draws, bootstrap, seed)
+    ledger.charge("pairs (ranking)", allowed, ranking_cost(candidates), **reserve_note)
+    # verification keeps its controls (they are the test's statistics); the budget verifies fewer top pairs
+    allowed = ledger.allowance("pairs")
+    n_top, cost, fits = fit(list(range(min(k, len(rows)), 0, -1)), lambda n: engine.predicted_forward_equivalents(
+        _verify_ablations(engine, rows[:n], candidates, control_draws, seed)[0]), allowed)
+    ledger.charge("pairs (verification)", allowed, cost, pairs=n_top, of=min(k, len(rows)), controls=control_draws,
+                  fits=fits)
+    _verify(engine, rows[:n_top], candidates, control_draws, bootstrap, seed)
     for r in rows:
         r.pop("_pair")
     table = pl.DataFrame(rows, infer_schema_length=None)
@@ -252,20 +289,31 @@ def _layers_text(distance: int) -> str:
     return "same layers" if distance == 0 else f"±{distance} layer" + ("s" if distance > 1 else "")
 
 
-def _verify(engine: AblationEngine, rows: list[dict[str, Any]], candidates: list[tuple[HeadId, HeadId]],
-            joint: torch.Tensor, joint_acc: torch.Tensor, draws: int, bootstrap: int, seed: int) -> None:
-    """Fill the joint-effect and control columns of ``rows`` (the top pairs) in place."""
-    controls: list[list[tuple[HeadId, HeadId]]] = []
+def _verify_ablations(engine: AblationEngine, rows: list[dict[str, Any]], candidates: list[tuple[HeadId, HeadId]],
+                      draws: int, seed: int) -> tuple[list[Ablation], list[list[tuple[HeadId, HeadId]]], list[int]]:
+    """The verification's ablations (each top pair's joint ablation, then every control pair), the control
+    pools and how far each pool was widened."""
+    pools, distances = [], []
     for r in rows:
-        g, a = candidates[r["_pair"]]
-        pool, distance = control_pool(engine.inventory, g, a, draws, seed)
-        controls.append(pool)
-        r["control_layers"] = _layers_text(distance)
-    flat = [Ablation(pair, label="control") for pool in controls for pair in pool]
-    control_ld = engine.effects(flat)["logit_diff"].double().mean(-1) if flat else torch.empty(0)  # [draw]
+        pool, distance = control_pool(engine.inventory, *candidates[r["_pair"]], draws, seed)
+        pools.append(pool)
+        distances.append(distance)
+    joints = [Ablation(candidates[r["_pair"]], label="joint") for r in rows]
+    return joints + [Ablation(pair, label="control") for pool in pools for pair in pool], pools, distances
+
+
+def _verify(engine: AblationEngine, rows: list[dict[str, Any]], candidates: list[tuple[HeadId, HeadId]],
+            draws: int, bootstrap: int, seed: int) -> None:
+    """Fill the joint-effect and control columns of ``rows`` (the top pairs) in place."""
+    ablations, controls, distances = _verify_ablations(engine, rows, candidates, draws, seed)
+    if not rows:
+        return
+    effects = engine.effects(ablations)
+    joint, joint_acc = effects["logit_diff"][:len(rows)].double(), effects["acc"][:len(rows)].double()  # [pair, prompt]
+    control_ld = effects["logit_diff"][len(rows):].double().mean(-1)  # [draw]
     start = 0
-    for r, pool in zip(rows, controls):
-        i = r["_pair"]
+    for i, (r, pool, distance) in enumerate(zip(rows, controls, distances)):
+        r["control_layers"] = _layers_text(distance)
         mean, lo, hi = bootstrap_ci(joint[i], bootstrap, seed=seed)
         r.update(joint_effect=float(mean), joint_effect_lo=float(lo), joint_effect_hi=float(hi),
                  joint_acc=float(joint_acc[i].mean()))
@@ -278,6 +326,14 @@ def _verify(engine: AblationEngine, rows: list[dict[str, Any]], candidates: list
             r.update(control_mean=float(values.mean()), control_q05=q05, control_q95=q95, control_n=len(values),
                      control_p=float((1 + (values <= float(mean)).sum()) / (1 + len(values))))
         r["verified"] = verified_flag(r)
+
+
+def _sweep_singles(frame: pl.DataFrame, heads: list[HeadId]) -> dict[HeadId, float]:
+    """Each head's all-position zero-ablation effect as the sweep measured it (``d_ld_all``), where it did."""
+    if "d_ld_all" not in frame.columns:
+        return {}
+    return {h: float(v) for h, v in zip(heads, frame["d_ld_all"].to_list())
+            if v is not None and not math.isnan(v)}
 
 
 def _role_list(heads: list[HeadId], p: np.ndarray, task: str, threshold: float = 0.5, limit: int = 20
@@ -321,7 +377,8 @@ def merge_fields(per_task: Sequence[Mapping[str, Any]], k: int = 3) -> dict[str,
 
 
 def scan_pairs(lm: Any, heads: pl.DataFrame, summary: Mapping[str, Any], k: int = 3, *,
-               evidence: pl.DataFrame | None = None, **kwargs: Any) -> tuple[pl.DataFrame, dict[str, Any]]:
+               evidence: pl.DataFrame | None = None, budget: tuple[str, float | None] = ("auto", None),
+               **kwargs: Any) -> tuple[pl.DataFrame, dict[str, Any]]:
     """Pairs for every task of a finished scan: each task's batch rebuilt as the scan built it. With the
     evidence stage's table (``evidence.parquet``), its roles steer the candidates (see :func:`rank_pairs`)."""
     from discovery.artifacts import restore_refined, with_evidence
@@ -331,16 +388,20 @@ def scan_pairs(lm: Any, heads: pl.DataFrame, summary: Mapping[str, Any], k: int 
     heads = with_evidence(heads, evidence)
     restore_refined(lm.inventory, heads)
 
-    frames, fields = [], []
+    frames, fields, budgets = [], [], {}
     for task, info in (summary.get("tasks") or {}).items():
         options = dict(info.get("options") or {})
         prompts = build_task(task, options).prompts()
         max_len = getattr(lm.model.config, "max_position_embeddings", None)
         batch = annotate(prompts, lm.tokenizer, padding_side="left", max_length=max_len)
+        spent = ((summary.get("evidence") or {}).get(task) or {}).get("budget")  # what the evidence stage spent
+        fe = resolve_budget(*budget, [h.layer for h in lm.inventory.heads()], lm.inventory.n_layers, info)
+        ledger = Ledger.from_record(spent, fe)
         frame, f = rank_pairs(lm, batch, heads, k, summary=summary, task=task,
-                              seed=int(options.get("seed", 0)), **kwargs)
+                              seed=int(options.get("seed", 0)), ledger=ledger, **kwargs)
         frames.append(frame)
         fields.append(f)
+        budgets[task] = ledger.record()
     table = pl.concat([f for f in frames if f.height], how="diagonal_relaxed") if any(f.height for f in frames) \
         else pl.DataFrame()
-    return table, merge_fields(fields, k)
+    return table, {**merge_fields(fields, k), "budget": budgets}

@@ -54,6 +54,39 @@ def cost_section(scan: Scan) -> Section | None:
         "it is written.")], tables=[Table(["stage", "wall s", "forward-equivalents", "peak MiB"], rows)])
 
 
+def budget_section(scan: Scan) -> Section | None:
+    """The evidence budget per task: the rule, what each part was allowed and ran, and the untested heads."""
+    from discovery.report.first_screen import budget_cuts
+
+    rows, paragraphs, rule = [], [], ""
+    for task in scan.tasks:
+        ev = (scan.summary.get("evidence") or {}).get(task) or {}
+        record = ((scan.summary.get("budget") or {}).get(task)) or ev.get("budget")
+        if not record:
+            continue
+        for part in record.get("parts") or []:
+            rows.append([task, part["part"], "–" if part.get("allowance") is None else f"{part['allowance']:.1f}",
+                         f"{part['predicted']:.1f}", "yes" if part.get("fits", True) else "no (smallest plan ran)"])
+        untested = ev.get("untested") or []
+        limit = record.get("budget")
+        cuts = budget_cuts(record)
+        paragraphs.append(
+            f"{task}: budget {'none (every head tested)' if limit is None else f'{limit:.1f} forward-equivalents'}, "
+            f"planned {record.get('spent', 0):.1f}. Cuts: {'; '.join(cuts) if cuts else 'none'}. Untested beyond "
+            f"the sweep ({len(untested)}): " + (", ".join(untested[:60]) + (f" and {len(untested) - 60} more"
+                                                                            if len(untested) > 60 else "")
+                                               if untested else "none") + ".")
+        rule = record.get("rule") or rule
+    if not rows:
+        return None
+    return Section("Evidence budget", [
+        "The evidence and pair tests run within a budget of forward-equivalents per task (gascan scan --budget; "
+        "default 1.5x the exact all-position sweep, at least 200). Candidate rule: " + str(rule) + ". Each part's "
+        "allowance (its share plus what earlier parts left) and what it ran (predicted from the layers each "
+        "ablation recomputes, one per pattern or read pass):", *paragraphs],
+        tables=[Table(["task", "part", "allowance", "ran", "fits"], rows)])
+
+
 def _rank_in(frame: pl.DataFrame, column: str, value: float | None) -> int | None:
     """1 + how many rows of ``frame`` score above ``value`` in ``column``."""
     if value is None or column not in frame.columns:
@@ -172,9 +205,7 @@ def build_appendix(scan: Scan, heads: pl.DataFrame, n_layers: int, verdict: Verd
     sections += [top_heads_section(scan, heads), decoys_section(scan, heads, verdict)]
     refined = refinement_section(scan, heads)
     sections += ([refined] if refined else []) + [clean_section(scan)]
-    cost = cost_section(scan)
-    if cost:
-        sections.append(cost)
+    sections += [s for s in (cost_section(scan), budget_section(scan)) if s is not None]
     sections += figure_sections(scan, heads, n_layers, verdict)
     sections += [example_section(scan, heads, lm), placement_section(scan, heads), classifier_section(scan, heads)]
     published = published_section(heads)

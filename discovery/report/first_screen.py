@@ -194,4 +194,38 @@ def build_first_screen(scan: Scan, heads: pl.DataFrame, n_layers: int) -> tuple[
     else:
         screen.figure_note = "No effect map: this scan ran no ablation."
     screen.table, screen.table_note = ranked_table(scan, heads, verdict)
+    budget = budget_line(scan)
+    if budget:
+        screen.table_note += " " + budget
     return screen, verdict
+
+
+def budget_cuts(record: Mapping[str, Any]) -> list[str]:
+    """The parts of an evidence-budget record that ran less than all of their work, in words."""
+    out = []
+    for part in record.get("parts") or []:
+        for unit in ("heads", "groups", "pairs", "gathers"):
+            done, of = part.get(unit), part.get("of")
+            if done is not None and of is not None and done < of:
+                out.append(f"{part['part']}: {done} of {of} {unit}")
+    return out
+
+
+def budget_line(scan: Scan) -> str:
+    """What the evidence budget left untested, in one sentence ("" when every head was tested)."""
+    parts = []
+    for task in scan.tasks:
+        ev = ((scan.summary.get("evidence") or {}).get(task) or {})
+        untested = ev.get("untested") or []
+        record = ev.get("budget") or {}
+        if not untested and not budget_cuts(record):
+            continue
+        n = int(scan.heads.filter(pl.col("task") == task).height) if "task" in scan.heads.columns else scan.heads.height
+        limit = record.get("budget")
+        parts.append((f"{task}: " if len(scan.tasks) > 1 else "")
+                     + f"{n - len(untested)} of {n} heads tested beyond the sweep"
+                     + (f" within an evidence budget of {limit:.0f} forward-equivalents" if limit else ""))
+    if not parts:
+        return ""
+    return ("Evidence budget: " + "; ".join(parts) + ". The others have their sweep effects only (list and cuts: "
+            "appendix, Evidence budget; --budget none tests every head).")

@@ -37,6 +37,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         help="Mamba-1: after the group sweep, split the channel groups that matter in halves, "
                         "level by level, down to the channels that carry the effect (default on; the summary "
                         "and report say when it was skipped and why)")
+    parser.add_argument("--budget", default=_DEFAULTS.budget, metavar="B",
+                        help="bound on the evidence and pair tests per task: auto (default: 1.5x the exact "
+                        "all-position sweep's cost, at least 200 forward-equivalents), none (test every head), N "
+                        "forward-equivalents (one clean forward over the prompts = 1) or Ns seconds; the heads "
+                        "left untested are listed in the report")
     parser.add_argument("--no-report", action="store_true", help="write the tables and the verdict only")
     parser.add_argument("--force", action="store_true",
                         help="start over in --out, removing the scan there (by default a rerun of the same scan "
@@ -49,6 +54,7 @@ def check(args: argparse.Namespace) -> list[str]:
     from pipelines import validate
 
     validate.prompts(args.prompts)
+    validate.budget(args.budget)
     validate.positive(args.max_memory, "--max-memory")
     validate.out_dir(args.out)
     validate.model(args.model, dtype=args.dtype, device_name=args.device, allow_pickle=args.allow_pickle,
@@ -88,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
         from_file = (lambda name: load_task_options(args.task_options, name)) if args.task_options else None
         options = ScanOptions(tasks=tasks, task_options=pipeline.task_options(lm.files, tasks, given, from_file),
                               ablation=args.ablation, prompts=args.prompts, seed=args.seed,
-                              max_memory_mb=args.max_memory, refine_channels=args.refine_channels)
+                              max_memory_mb=args.max_memory, refine_channels=args.refine_channels,
+                              budget=args.budget)
         console.print(f"[bold]{escape(lm.name)}[/bold]: {lm.inventory.architecture}, {lm.inventory.n_layers} "
                       f"layers, {sum(lm.inventory.n_heads().values())} heads; tasks {', '.join(tasks)}")
         result = pipeline.run(lm, options, args.out, progress=progress, report=not args.no_report, force=args.force)
