@@ -124,3 +124,102 @@ def test_batched_refinement_equals_a_naive_loop(planted):
     for node in ref.nodes:
         naive = float((_plain_hook_effects(lm, batch, node.layer, node.start, node.end) - clean).mean())
         assert -naive == pytest.approx(node.drop, abs=1e-5), (node.layer, node.start, node.end)
+
+
+# --- the bundled Mamba-1 toy: refinement against the exhaustive channel-level truth ---------------------
+
+TOY = "mc-mamba1"
+TOY_PROMPTS = 32  # refinement runs on the first 32 of the truth's 64 prompts (the whole truth: ~10 min here)
+TOY_RECALL = 0.75  # share of the truth's important channels refinement must find (measured 0.75: 3 of 4)
+TOY_PRECISION = 0.75  # share of the single-channel leaves the truth puts at >= half that (measured 0.80: 4 of 5)
+TOY_CHECKED = 6  # truth rows re-ablated live: the top 3 and 3 drawn from the rest
+
+
+@pytest.fixture(scope="module")
+def toy():
+    """The bundled Mamba-1 toy, its channel-level truth and the truth's own prompts (rebuilt from its seed)."""
+    from discovery.model.bundled import bundled_model_path
+    from discovery.model.loading import load_model
+    from discovery.tasks import build_task
+    from discovery.toy import trained_task_options
+
+    lm = load_model(f"bundled:{TOY}")
+    truth = json.loads((bundled_model_path(TOY) / "truth_channels.json").read_text())
+    task, options = next(iter(trained_task_options(lm.files).items()))
+    assert (task, {**options, "split": "train"}) == (truth["task"], {**truth["task_options"], "split": "train"})
+    prompts = build_task(task, {**options, "n": truth["clean"]["n_prompts"], "seed": truth["seed"]}).prompts()
+    return lm, truth, prompts
+
+
+def test_bundled_mamba1_channel_truth_matches_live_ablations(toy):
+    """A sample of the bundled truth (its top channels and others drawn at random) re-ablated now, one
+    channel at a time, on the truth's own prompts: the same drops."""
+    from discovery.measure.ablation import single_head_ablations
+    from discovery.rank.truth import channel_view
+
+    lm, truth, prompts = toy
+    view = channel_view(lm)
+    batch = annotate(prompts, lm.tokenizer, padding_side="left")
+    engine = AblationEngine(view, batch)
+    assert float(engine.clean.logit_diff.mean()) == pytest.approx(truth["clean"]["logit_diff"], abs=1e-4)
+    assert float(engine.clean.acc.mean()) == truth["clean"]["acc"] >= 0.9  # chance 0.25
+    rows = sorted(truth["channels"], key=lambda r: r["d_ld_all"])
+    rest = torch.randperm(len(rows) - 3, generator=torch.Generator().manual_seed(0))[: TOY_CHECKED - 3] + 3
+    sample = rows[:3] + [rows[int(i)] for i in rest]
+    heads = [HeadId(r["layer"], r["channel"], "ssm") for r in sample]
+    live = engine.effects(single_head_ablations(heads, "zero", ("all",))).logit_diff.mean(1)
+    assert live.tolist() == pytest.approx([r["d_ld_all"] for r in sample], abs=1e-4)
+
+
+def test_refinement_on_the_bundled_mamba1_toy_finds_the_truth_channels(toy):
+    """Group sweep (32 groups of 8 channels per layer) and refinement on 32 of the truth's prompts: the
+    truth's important channels (every channel ablated alone, 64 prompts; drop >= 10% of clean) are among
+    the refined heads' channels (recall >= TOY_RECALL), the single channels found are ones the truth puts
+    at >= 5% (TOY_PRECISION), and the sweep plus refinement cost a small part of ablating
+    every channel alone (forward-equivalents, as the engine counted them)."""
+    from discovery.measure.ablation import single_head_ablations
+
+    lm, truth, prompts = toy
+    batch = annotate(prompts[:TOY_PROMPTS], lm.tokenizer, padding_side="left")
+    engine = AblationEngine(lm, batch)
+    heads = lm.inventory.heads()
+    assert {lm.inventory.group(h.layer, "ssm").width for h in heads} == {8}
+    rows_before = engine.layer_rows
+    effects = engine.effects(single_head_ablations(heads, "zero", ("all",)))
+    group_fe = (engine.layer_rows - rows_before) / (engine.n_prompts * engine.n_active_layers)
+    ref = refine_channels(engine, heads, effects, RefineSettings(bootstrap=200))
+    leaves = [ref.nodes[i] for i in ref.leaf_nodes]
+    found = {(n.layer, c) for n in leaves for c in range(n.start, n.end)}
+    # the truth's important channels: drop >= the refinement's own threshold (10% of clean), largest first
+    top = [(r["layer"], r["channel"]) for r in truth["important"]]
+    assert truth["effect"] == RefineSettings().effect and len(top) >= 3
+    recall = sum(c in found for c in top) / len(top)
+    clean = truth["clean"]["logit_diff"]
+    near = {(r["layer"], r["channel"]) for r in truth["channels"] if -r["d_ld_all"] >= truth["effect"] / 2 * clean}
+    singles = [(n.layer, n.start) for n in leaves if n.outcome == "channel"]
+    precision = sum(c in near for c in singles) / max(1, len(singles))
+    sweep_fe = channel_sweep_cost(engine, sorted({h.layer for h in heads}))
+    print(f"recall {recall:.2f} of {len(top)}, single-channel leaves at >= half the threshold {precision:.2f} "
+          f"({len(singles)} of {len(leaves)} leaves), refinement {ref.forward_equivalents:.1f} fe + group sweep "
+          f"{group_fe:.1f} fe vs channel sweep {sweep_fe:.1f} fe")
+    assert recall >= TOY_RECALL
+    assert precision >= TOY_PRECISION
+    # what the exhaustive truth's engine counted, per scope it measured
+    assert sweep_fe == pytest.approx(truth["forward_equivalents"] / len(truth["scopes"]), rel=1e-6)
+    assert (ref.forward_equivalents + group_fe) * 4 < sweep_fe
+    assert ref.forward_equivalents * 10 < sweep_fe
+
+
+def test_toy_truth_channels_cli_scopes(tmp_path):
+    """``gascan toy truth --channels --scopes all``: every channel of every Mamba-1 layer ablated once, at
+    the scope asked for only; a scope that is not all/query is refused with one line (exit 2)."""
+    from pipelines.cli import main
+
+    out = tmp_path / "truth_channels.json"
+    assert main(["toy", "truth", "tiny:mamba", "--channels", "--scopes", "all", "--prompts", "4",
+                 "--out", str(out)]) == 0
+    truth = json.loads(out.read_text())
+    assert truth["scopes"] == ["all"] and truth["n_channels"] == len(truth["channels"]) > 0
+    assert all("d_ld_all" in r and "d_ld_query" not in r for r in truth["channels"])
+    assert main(["toy", "truth", "tiny:mamba", "--channels", "--scopes", "segment", "--prompts", "4",
+                 "--out", str(out)]) == 2

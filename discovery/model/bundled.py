@@ -11,8 +11,8 @@ from discovery.errors import ModelLoadError
 
 BUNDLED_ROOT = Path(__file__).resolve().parent.parent / "data" / "toy"
 DEFAULT_BUNDLED = "mc-transformer"
-BUNDLED_NAMES: tuple[str, ...] = ("mc-transformer", "mc-mamba2", "mc-mamba2-k2", "mc-hybrid", "mc1-transformer",
-                                  "mc3-transformer")
+BUNDLED_NAMES: tuple[str, ...] = ("mc-transformer", "mc-mamba2", "mc-mamba2-k2", "mc-hybrid", "mc-mamba1",
+                                  "mc1-transformer", "mc3-transformer")
 
 
 def bundled_model_path(name: str = DEFAULT_BUNDLED) -> Path:
@@ -21,6 +21,8 @@ def bundled_model_path(name: str = DEFAULT_BUNDLED) -> Path:
     ``"mc-mamba2"`` is a pure Mamba-2 toy with an SSM aggregate head (labels before the options);
     ``"mc-mamba2-k2"``, the same recipe with width-2 convolutions, has an SSM gather head and query
     heads that read the gold option one step late (``agg_after``).
+    ``"mc-mamba1"``, the same recipe as a Mamba-1 (``MambaForCausalLM``), has a known channel-level answer
+    (``truth_channels.json``) for the channel refinement.
     ``"mc-hybrid"``, that recipe as a Bamba hybrid with attention at layer 1, has an attention gather
     head feeding a redundant set of SSM aggregate heads.
     ``"mc1-transformer"`` (single-word options) and ``"mc3-transformer"`` (three-word options, the default

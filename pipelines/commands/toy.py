@@ -48,6 +48,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     tr.add_argument("--channels", action="store_true",
                     help="Mamba-1: the channel-level truth instead: every channel of every Mamba-1 layer "
                     "ablated alone (all positions and the query; batched), with its pattern metrics")
+    tr.add_argument("--scopes", default="all,query",
+                    help="--channels: where each channel is ablated, comma list of all, query (default all,query;"
+                    " each scope costs one forward-equivalent per channel and later layer)")
     tr.set_defaults(func=run_truth)
     pl_ = sub.add_parser("placement", help="check placement advice: train one hybrid per attention layer",
                          description="Rank the layers of a scanned model with `gascan place`, then train Bamba "
@@ -203,8 +206,11 @@ def _channel_truth(args: argparse.Namespace, lm, batch, task: str, options: dict
 
     if not any(g.pattern == "mamba1" for g in lm.inventory.groups):
         raise GascanError(f"{lm.name} has no Mamba-1 layers", "drop --channels (it is for Mamba-1 models)")
+    scopes = tuple(s.strip() for s in args.scopes.split(",") if s.strip())
+    if not scopes or set(scopes) - {"all", "query"}:
+        raise GascanError(f"--scopes {args.scopes!r} is not a comma list of all, query", "pass e.g. --scopes all")
     with console.status(f"ablating every channel of {lm.name} on {task} ({len(batch)} prompts)"):
-        truth = channel_truth(lm, batch)
+        truth = channel_truth(lm, batch, scopes=scopes)
     truth.update({"model": lm.name, "task": task, "task_options": options, "checkpoint": lm.checkpoint_hash(),
                   "seed": args.seed})
     target = Path(args.out) if args.out else Path(lm.files[0]).parent / "truth_channels.json"
