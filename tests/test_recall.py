@@ -23,6 +23,7 @@ def test_screen_recall_hand_computed():
     assert rec["ranks"] == [4, 1, 6]
     assert rec["recall_at_k"] == {1: 1 / 3, 2: 1 / 3, 3: 1 / 3, 4: 2 / 3}
     assert rec["k_for_recall"] == 4  # 2 of 3 needed
+    assert rec["n_major"] == 3 and rec["k_for_major"] == 6  # |effect| >= 0.5: heads 0, 1, 3
     assert screen_recall(exact, score, top=3, target=1.0)["k_for_recall"] == 6
     assert screen_recall(exact, exact, top=3)["recall_at_k"][3] == 1.0
     assert screen_recall(exact, -exact, top=3)["k_for_recall"] == 3  # magnitudes rank, signs do not

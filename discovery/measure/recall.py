@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,6 +39,20 @@ SCREEN_NAMES = {"atp": "AtP", "atp_qk": "AtP + QK fix", "graddrop": "AtP* GradDr
                 "graddrop_mean_first": "GradDrop, prompt mean first", "query": "query-position exact sweep"}
 TOP = 10  # the exact top heads a screen must find
 TARGET = 0.9  # the recall a screen's top-k must reach
+MAJOR = 0.1  # a head is "major" when its |exact effect| is at least this share of the largest
+
+
+@dataclass(frozen=True)
+class ScreenChoice:
+    """A screen and how many of its top heads the exact sweep then measures; ``measured``: the evidence."""
+
+    screen: str
+    k: int
+    measured: dict[str, Any]
+
+
+# PLACEHOLDER: set from reports/screen-recall below
+DEFAULT_SCREEN = ScreenChoice(screen="query", k=20, measured={})
 
 
 def screen_recall(exact: torch.Tensor, score: torch.Tensor, *, top: int = TOP, target: float = TARGET,
@@ -45,7 +60,9 @@ def screen_recall(exact: torch.Tensor, score: torch.Tensor, *, top: int = TOP, t
     """Recall of the ``top`` heads with the largest ``|exact|`` ``[head]`` within the screen's top-k by ``|score|`` ``[head]``.
 
     Returns ``recall_at_k`` (for each of ``ks`` up to the head count, and ``top``), ``k_for_recall`` (the
-    smallest k reaching ``target``), ``ranks`` (1-based screen rank of each exact top head, best first)
+    smallest k reaching ``target``), ``ranks`` (1-based screen rank of each exact top head, best first),
+    ``k_for_major`` (the smallest k holding every one of the ``n_major`` heads whose ``|exact|`` is at least
+    :data:`MAJOR` of the largest: on a model with few heads the exact top 10 can include negligible ones)
     and the Spearman correlations of :func:`rank_agreement`. Ties go to the lower head index."""
     exact, score = exact.detach().double().flatten().cpu(), score.detach().double().flatten().cpu()
     if exact.shape != score.shape or exact.numel() == 0:
@@ -59,14 +76,47 @@ def screen_recall(exact: torch.Tensor, score: torch.Tensor, *, top: int = TOP, t
     rank[torch.argsort(-score.abs(), stable=True)] = torch.arange(1, n + 1)
     ranks = rank[best].tolist()  # [top]
     need = math.ceil(target * top - 1e-9)
+    major = exact.abs() >= MAJOR * exact.abs().max()  # [head]: the heads whose effect is not negligible
     agreement = rank_agreement(score, exact, k=top)
     return {
         "top": top, "target": target, "n_heads": n,
         "recall_at_k": {int(k): sum(r <= k for r in ranks) / top for k in sorted({*ks, top}) if k <= n},
         "k_for_recall": sorted(ranks)[need - 1],
         "ranks": ranks,
+        "n_major": int(major.sum()), "k_for_major": int(rank[major].max()) if bool(major.any()) else None,
         "spearman": agreement["spearman"], "spearman_abs": agreement["spearman_abs"],
     }
+
+
+def _sweep(engine: AblationEngine, heads: Sequence[HeadId], scope: str) -> Any:
+    """Per-prompt effects (``Scores`` of ``[head, prompt]``) of zero-ablating each head at ``scope``."""
+    ablations = single_head_ablations(heads, "zero", (scope,))
+    return engine.effects(ablations, engine.run(ablations))
+
+
+def _graddrop_scores(result: Any, name: str) -> torch.Tensor:
+    """``[head]`` from a GradDrop result: ``graddrop`` (per-prompt magnitudes, then the prompt mean) or
+    ``graddrop_mean_first`` (per layer the prompt mean, then its magnitude, then the mean over layers)."""
+    if name == "graddrop":
+        return result.estimate.float().mean(-1)
+    from discovery.measure.graddrop import graddrop_score
+
+    return graddrop_score(result.dropped.mean(-1, keepdim=True), result.plain.mean(-1, keepdim=True))[:, 0]
+
+
+def screen_scores(lm: LoadedModel, batch: AnnotatedBatch, engine: AblationEngine, heads: Sequence[HeadId],
+                  name: str) -> tuple[torch.Tensor, Any]:
+    """One screen's score per head ``[head]`` (rank by magnitude) and what it came from: the query sweep's
+    per-prompt effects (``Scores``) or the attribution screen's result."""
+    if name == "query":
+        effects = _sweep(engine, heads, "query")
+        return effects.logit_diff.float().mean(-1), effects
+    if name not in SCREENS:
+        raise ValueError(f"unknown screen {name!r}; known: {', '.join(SCREENS)}")
+    grad_drop = name.startswith("graddrop")
+    result = atp_effects(lm, batch, heads=list(heads), method="zero", scope=("all",), metric="logit_diff",
+                         qk_fix=name == "atp_qk", grad_drop=grad_drop)
+    return (_graddrop_scores(result, name) if grad_drop else result.estimate.float().mean(-1)), result
 
 
 def _metered(fn: Callable[[], Any]) -> tuple[Any, Any]:
@@ -88,37 +138,20 @@ def measure_screens(lm: LoadedModel, batch: AnnotatedBatch, *, heads: Sequence[H
     engine, clean_cost = _metered(lambda: AblationEngine(lm, batch, max_memory_mb=max_memory_mb))
     unit = clean_cost.flops
 
-    def sweep(scope: str) -> torch.Tensor:
-        ablations = single_head_ablations(heads, "zero", (scope,))
-        return engine.effects(ablations, engine.run(ablations)).logit_diff.float().mean(-1)  # [head]
-
-    def atp(**kw) -> Any:
-        return atp_effects(lm, batch, heads=heads, method="zero", scope=("all",), metric="logit_diff", **kw)
-
     started = time.perf_counter()
-    exact, exact_cost = _metered(lambda: sweep("all"))
+    exact, exact_cost = _metered(lambda: _sweep(engine, heads, "all").logit_diff.float().mean(-1))  # [head]
     say(f"exact all-position sweep: {len(heads)} heads, {time.perf_counter() - started:.1f} s")
     scores: dict[str, torch.Tensor] = {}
     costs: dict[str, Any] = {}
     graddrop = None
     for name in screens:
         started = time.perf_counter()
-        if name == "query":
-            scores[name], costs[name] = _metered(lambda: sweep("query"))
-        elif name in ("atp", "atp_qk"):
-            result, costs[name] = _metered(lambda: atp(qk_fix=name == "atp_qk"))
-            scores[name] = result.estimate.float().mean(-1)
-        else:
+        if name.startswith("graddrop"):  # both GradDrop scores come from one run
             if graddrop is None:
-                graddrop, graddrop_cost = _metered(lambda: atp(qk_fix=False, grad_drop=True))
-            costs[name] = graddrop_cost
-            if name == "graddrop":
-                scores[name] = graddrop.estimate.float().mean(-1)
-            else:  # per layer: |mean over prompts|, then the mean over the layers after the head
-                from discovery.measure.graddrop import graddrop_score
-
-                scores[name] = graddrop_score(graddrop.dropped.mean(-1, keepdim=True),
-                                              graddrop.plain.mean(-1, keepdim=True))[:, 0]
+                graddrop, graddrop_cost = _metered(lambda: screen_scores(lm, batch, engine, heads, "graddrop")[1])
+            scores[name], costs[name] = _graddrop_scores(graddrop, name), graddrop_cost
+        else:
+            (scores[name], _), costs[name] = _metered(lambda name=name: screen_scores(lm, batch, engine, heads, name))
         say(f"screen {name}: {time.perf_counter() - started:.1f} s")
     out_screens = {}
     for name in screens:

@@ -29,10 +29,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--target", type=float, default=TARGET, help=f"recall target for k (default {TARGET})")
     parser.add_argument("--max-memory", type=float, default=None, metavar="MB", help="engine memory budget")
     parser.add_argument("--out", default=None, help="also write the results as JSON here (atomically)")
+    parser.add_argument("--summarize", nargs="+", default=None, metavar="F.json",
+                        help="instead: print the markdown table (screen × model) of earlier --out files")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.summarize:
+        import json
+        from pathlib import Path
+
+        print(markdown_table([json.loads(Path(path).read_text()) for path in args.summarize]))
+        return 0
     from pipelines import validate
 
     validate.prompts(args.prompts)
@@ -62,9 +70,8 @@ def run(args: argparse.Namespace) -> int:
 
     console = Console(emoji=False, width=None if sys.stdout.isatty() else 160)
     given = parse_task_options(args.task_option or [])
-    with reporter() as progress:
-        with stage(progress, "loading model"):
-            lm = load_options(args).load(args.model)
+    with reporter() as progress, stage(progress, "loading model"):
+        lm = load_options(args).load(args.model)
     from_file = (lambda name: load_task_options(args.task_options, name)) if args.task_options else None
     task_opts = pipeline.task_options(lm.files, [args.task], given, from_file)[args.task]
     batch = task_batch(lm, args.task, {"seed": args.seed, "n": args.prompts, **task_opts})
@@ -101,3 +108,32 @@ def table(result: dict[str, Any]):
                     num(rec["spearman"], ".2f"), num(rec["spearman_abs"], ".2f"),
                     num(rec["forward_equivalents"], ".2f"), f"{rec['seconds']:.1f}")
     return out
+
+
+def markdown_table(results: list[dict[str, Any]]) -> str:
+    """Screen × model: recall@top, the k reaching the target, Spearman of |.|, forward-equivalents."""
+    first = next(iter(results[0]["screens"].values())) if results and results[0]["screens"] else {"top": 10, "target": 0.9}
+    lines = [(f"| model | heads | prompts | screen | recall@{first['top']} | k for recall ≥ {first['target']} "
+              "| major heads | k for all major | Spearman | Spearman (abs) | fwd-eq | exact sweep fwd-eq |"),
+             "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def num(value: float | None) -> str:
+        return "–" if value is None else f"{value:.2f}"
+
+    import torch
+
+    from discovery.measure.recall import screen_recall
+
+    for res in results:
+        names = list(res["reference"]["d_ld_all"])
+        exact = torch.tensor([res["reference"]["d_ld_all"][h] for h in names])  # [head]
+        for stored in res["screens"].values():  # recomputed from the stored scores: one definition
+            rec = stored | screen_recall(exact, torch.tensor([stored["scores"][h] for h in names]),
+                                         top=stored["top"], target=stored["target"])
+            rec["recall_at_k"] = {str(k): v for k, v in rec["recall_at_k"].items()}
+            lines.append(f"| {res['model']} | {res['n_heads']} | {res['n_prompts']} | {rec['name']} "
+                         f"| {rec['recall_at_k'][str(rec['top'])]:.2f} | {rec['k_for_recall']} | {rec['n_major']} "
+                         f"| {rec['k_for_major']} | {num(rec['spearman'])} "
+                         f"| {num(rec['spearman_abs'])} | {num(rec['forward_equivalents'])} "
+                         f"| {num(res['reference']['forward_equivalents'])} |")
+    return "\n".join(lines)
