@@ -64,7 +64,7 @@ def _direct(lm: LoadedModel, batch, drop: int | None) -> dict[HeadId, torch.Tens
     return out
 
 
-@pytest.mark.parametrize("arch", ["llama", "mamba2"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "mamba2", "zamba2"])
 def test_graddrop_matches_the_direct_rerun(arch):
     lm = load_model(f"tiny:{arch}")
     batch = annotate(mc_prompts(6, seed=1), lm.tokenizer, padding_side="left")
