@@ -15,7 +15,7 @@ from discovery.errors import GascanError
 from discovery.registry import Registry
 
 COMMANDS: Registry = Registry("command")
-for _name in ("inspect", "tasks", "scan", "bench", "toy", "report", "place", "compare", "classifier", "batch"):
+for _name in ("inspect", "tasks", "scan", "bench", "toy", "report", "place", "compare", "classifier", "batch", "screens"):
     COMMANDS.add(_name, f"pipelines.commands.{_name}:add_parser")
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from discovery.errors import GascanError
 
-ABLATION_MODES = ("exact", "query", "atp", "none")
+ABLATION_MODES = ("exact", "query", "atp", "screened", "none")
 TABLE_VERSION = 1  # the head table's layout; part of every batch shard key
 
 
@@ -21,7 +21,8 @@ class ScanOptions:
 
     tasks: list[str] = field(default_factory=lambda: ["mc"])
     task_options: dict[str, dict[str, Any]] = field(default_factory=dict)
-    ablation: str = "exact"  # exact: all-position + query sweeps; query; atp: screen only; none: patterns only
+    ablation: str = "exact"  # exact: all-position + query sweeps; query; atp: screen only; screened: the
+    # default screen, then the all-position sweep on its top-k (discovery.measure.recall.DEFAULT_SCREEN); none
     prompts: int = 64
     seed: int = 0
     max_memory_mb: float | None = None  # execution setting: memory budget of batched ablation rows

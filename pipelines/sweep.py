@@ -29,6 +29,7 @@ EFFECT_METRICS = {"logit_diff": "ld", "acc": "acc", "gold_logprob": "lp"}
 # ablation mode -> the single-head sweeps it runs: (scope name, position classes)
 SWEEPS: dict[str, list[tuple[str, tuple[str, ...]]]] = {"exact": [("all", ("all",)), ("query", ("query",))],
                                                         "query": [("query", ("query",))]}
+# (--ablation screened runs the screen, then the all-position sweep on the screen's top-k: _screened_sweep)
 
 
 
@@ -118,9 +119,16 @@ def scan_task(lm: LoadedModel, task_spec: str, options: ScanOptions, *, layers: 
                 measured[scope_name] = engine.effects(ablations, engine.run(ablations, progress=tick))
             parts[f"ablation_{scope_name}"] = meter.cost
             _effect_columns(columns, heads, scope_name, measured[scope_name], options)
+        screened = None
+        if options.ablation == "screened":
+            screened = _screened_sweep(lm, batch, engine, heads, columns, options, parts, measured, progress)
         sweep_rows = engine.layer_rows
 
         screen = None
+        if screened and screened["screen"] == "atp_qk":  # the report's screen line: agreement on the swept heads
+            screen = {"method": "AtP with the QK fix, zero ablation at all positions, logit difference "
+                      f"(screen of --ablation screened: exact sweep on its top {screened['k']})",
+                      "forward_equivalents": screened["forward_equivalents"], "agreement": screened["agreement"]}
         if options.ablation in ("exact", "query", "atp"):
             # AtP with the QK fix: every head's all-position zero-ablation effect, ~3.5 forward-equivalents
             if progress:
@@ -158,10 +166,58 @@ def scan_task(lm: LoadedModel, task_spec: str, options: ScanOptions, *, layers: 
             pl.col("channel_start", "channel_end", "parent_head").cast(pl.Int64))
     unit = parts["clean"].flops
     summary = {"task": task_spec, "options": options.options_for(task_spec), "n_prompts": len(batch),
-               "clean": clean, "seconds": round(total.cost.wall_s, 2),
+               "clean": clean, "seconds": round(total.cost.wall_s, 2), "screen": screened,
                "layer_rows": sweep_rows, "attribution": screen, "refinement": refinement, "forward_flops": unit,
                "cost": total.cost.record(unit), "parts": {k: c.record(unit) for k, c in parts.items()}}
     return frame, summary
+
+
+def _screened_sweep(lm: LoadedModel, batch: AnnotatedBatch, engine: AblationEngine, heads: list[HeadId],
+                    columns: dict[HeadId, dict[str, Any]], options: ScanOptions, parts: dict[str, Cost],
+                    measured: dict[str, Any], progress: Progress | None) -> dict[str, Any]:
+    """``--ablation screened``: the default screen (:data:`~discovery.measure.recall.DEFAULT_SCREEN`) over every
+    head, then the exact all-position sweep on its top-k only; the other heads' ``d_*_all`` columns are null.
+    Returns the summary's ``screen`` record: screen, k, the screened heads, cost, and the screen's agreement
+    with the exact sweep on those heads."""
+    from discovery.measure.recall import DEFAULT_SCREEN, SCREEN_NAMES, screen_scores
+
+    choice = DEFAULT_SCREEN
+    if progress:
+        progress(f"screen ({choice.screen})", 0, 1)
+    with Meter() as meter:
+        score, source = screen_scores(lm, batch, engine, heads, choice.screen)  # [head]
+    parts["screen"] = meter.cost
+    if progress:
+        progress(f"screen ({choice.screen})", 1, 1)
+    if choice.screen == "query":  # the query sweep is exact at the query: its columns are the usual ones
+        _effect_columns(columns, heads, "query", source, options)
+    else:  # AtP with the QK fix is the sweep's usual atp_ld column
+        column = "atp_ld" if choice.screen == "atp_qk" else f"screen_{choice.screen}"
+        for h, value in zip(heads, score.tolist(), strict=True):
+            columns[h][column] = value
+    k = min(choice.k, len(heads))
+    rows = sorted(torch.argsort(-score.abs(), stable=True)[:k].tolist())
+    chosen = [heads[i] for i in rows]
+    ablations = single_head_ablations(chosen, "zero", ("all",))
+    tick = stage_ticker(progress, "ablation (all, screened)", len(ablations))
+    with Meter() as meter:
+        measured["all"] = engine.effects(ablations, engine.run(ablations, progress=tick))
+    parts["ablation_all"] = meter.cost
+    _effect_columns(columns, chosen, "all", measured["all"], options)
+    kept = set(chosen)
+    for h in heads:
+        if h not in kept:
+            for short in EFFECT_METRICS.values():
+                for end in ("", "_lo", "_hi"):
+                    columns[h][f"d_{short}_all{end}"] = None
+    exact = measured["all"].logit_diff.float().mean(-1)  # [k]
+    unit = parts["clean"].flops
+    return {"screen": choice.screen, "method": SCREEN_NAMES[choice.screen], "k": k, "n_heads": len(heads),
+            "heads": [str(h) for h in chosen],
+            "forward_equivalents": round(parts["screen"].flops / unit, 3) if unit else None,
+            "exact_forward_equivalents": round(parts["ablation_all"].flops / unit, 3) if unit else None,
+            "measured_recall": choice.measured,
+            "agreement": rank_agreement(score[rows], exact, k=min(10, k))}
 
 
 def refine_stage(engine: AblationEngine, heads: Sequence[HeadId], measured: dict[str, Any],
@@ -183,6 +239,8 @@ def refine_stage(engine: AblationEngine, heads: Sequence[HeadId], measured: dict
         reason = "turned off (--no-refine-channels)"
     elif not measured:
         reason = f"--ablation {options.ablation} measures no single-head effects to refine"
+    elif options.ablation == "screened":
+        reason = "--ablation screened sweeps only the screen's top heads (refine after an exact scan)"
     elif all(g.width == 1 for g in mamba1):
         reason = "the heads are single channels already (--mamba1-group-width 1)"
     if reason is not None:

@@ -60,6 +60,7 @@ from discovery.errors import GascanError
 from discovery.heads import HeadId
 from discovery.measure.ablation import SCOPES, class_index, class_means, scope_positions
 from discovery.measure.flops import MatmulFlops
+from discovery.measure.graddrop import GradDropResult, graddrop_effects
 from discovery.measure.patterns import model_inputs
 from discovery.model.intervene import Intervener, PassConfig
 from discovery.model.loading import LoadedModel
@@ -122,6 +123,18 @@ def _check(lm: LoadedModel, batch: AnnotatedBatch, heads, method: str, scope: Se
     if missing:
         raise GascanError(f"head {missing[0]} is not in this model", "pick heads from `gascan inspect MODEL`")
     return chosen
+
+
+def capture_input(into: dict, key: tuple[int, str]):
+    """A projection edit that keeps its input ``[prompt, pos, in]`` in ``into[key]``, in the autograd graph."""
+
+    def edit(x: torch.Tensor) -> torch.Tensor:
+        if not x.requires_grad:  # frozen weights: make the captured input the graph's leaf
+            x = x.detach().requires_grad_(True)
+        into[key] = x
+        return x
+
+    return edit
 
 
 class _Stop(Exception):
@@ -248,15 +261,6 @@ class _Screen:
         hidden: dict[int, torch.Tensor] = {}
         qk: dict[int, tuple] = {}
 
-        def capture_x(key):
-            def edit(x: torch.Tensor) -> torch.Tensor:
-                if not x.requires_grad:  # frozen weights: make the captured input the graph's leaf
-                    x = x.detach().requires_grad_(True)
-                xs[key] = x
-                return x
-
-            return edit
-
         def capture_probs(layer):
             def edit(p: torch.Tensor) -> torch.Tensor:
                 probs[layer] = p
@@ -270,7 +274,7 @@ class _Screen:
 
             return sink
 
-        config = PassConfig(proj_edits={k: capture_x(k) for k in self.groups})
+        config = PassConfig(proj_edits={k: capture_input(xs, k) for k in self.groups})
         if self.sources:
             config.prob_edits = {m: capture_probs(m) for m in self.targets}
             config.qk_sinks = {m: capture_qk(m) for m in self.targets}
@@ -417,7 +421,8 @@ class _Screen:
 
 def atp_effects(lm: LoadedModel, batch: AnnotatedBatch, *, heads: Sequence[HeadId] | None = None,
                 method: str = "zero", scope: Sequence[str] = ("all",), metric: str = "logit_diff",
-                qk_fix: bool = True, chunk_prompts: int = 8, max_rows: int = 256) -> AttributionResult:
+                qk_fix: bool = True, chunk_prompts: int = 8, max_rows: int = 256,
+                grad_drop: bool = False) -> AttributionResult | GradDropResult:
     """AtP (with the QK fix for attention heads when ``qk_fix``) estimates of every head's ablation effect.
 
     ``method``: ``zero`` or ``mean`` (per-position-class mean over the batch, as the engine ablates);
@@ -425,12 +430,18 @@ def atp_effects(lm: LoadedModel, batch: AnnotatedBatch, *, heads: Sequence[HeadI
     ``gold_logprob`` at the query position over the candidates' first tokens, exactly as the ablation
     engine scores (whatever the task's own scoring). Prompts are processed ``chunk_prompts`` at a time; the
     QK fix's query passes hold at most ``max_rows`` rows. See the module docstring for exactly
-    what is approximated.
+    what is approximated. ``grad_drop``: AtP* GradDrop instead (:mod:`discovery.measure.graddrop`; its
+    scores are magnitudes), which needs ``qk_fix=False``.
     """
     from discovery.model.loading import as_loaded
 
     lm = as_loaded(lm)  # a LoadedModel, an nnsight LanguageModel or a transformers model
     chosen = _check(lm, batch, heads, method, scope, metric, chunk_prompts)
+    if grad_drop:
+        if qk_fix:
+            raise GascanError("GradDrop is computed on plain AtP gradients, not with the QK fix",
+                              "pass qk_fix=False with grad_drop=True")
+        return graddrop_effects(lm, batch, chosen, method, scope, metric, chunk_prompts)
     screen = _Screen(lm, batch, chosen, method, scope, metric, qk_fix, max_rows)
     n = len(batch)
     chunks = [slice(s, min(s + chunk_prompts, n)) for s in range(0, n, chunk_prompts)]

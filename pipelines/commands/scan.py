@@ -27,7 +27,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default: {DEFAULT_OUT})")
     parser.add_argument("--ablation", choices=ABLATION_MODES, default=_DEFAULTS.ablation,
                         help="exact: all-position and query-position single-head sweeps (default); "
-                        "query: query position only; atp: attribution screen only; none: patterns only")
+                        "query: query position only; atp: attribution screen only; screened: the default screen over every "
+                        "head, then the exact all-position sweep on its top-k only (the other heads' all-position "
+                        "columns null; summary.json records the screen, k and its agreement); none: patterns only")
     parser.add_argument("--prompts", type=int, default=_DEFAULTS.prompts,
                         help=f"prompts per task (default {_DEFAULTS.prompts})")
     parser.add_argument("--seed", type=int, default=_DEFAULTS.seed, help="seed of the task generators and bootstrap")
