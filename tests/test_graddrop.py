@@ -6,10 +6,9 @@ import time
 import pytest
 import torch
 
-from discovery.errors import GascanError
 from discovery.heads import HeadId
 from discovery.measure.attribution import atp_effects
-from discovery.measure.graddrop import graddrop_score
+from discovery.measure.graddrop import graddrop_score, graddrop_screen
 from discovery.measure.patterns import model_inputs
 from discovery.model.intervene import Intervener, PassConfig, _hidden_of, _with_hidden
 from discovery.model.loading import LoadedModel, load_model
@@ -69,7 +68,7 @@ def test_graddrop_matches_the_direct_rerun(arch):
     lm = load_model(f"tiny:{arch}")
     batch = annotate(mc_prompts(6, seed=1), lm.tokenizer, padding_side="left")
     started = time.perf_counter()
-    res = atp_effects(lm, batch, method="zero", scope=("all",), qk_fix=False, grad_drop=True, chunk_prompts=4)
+    res = graddrop_screen(lm, batch, method="zero", scope=("all",), chunk_prompts=4)
     n_layers = lm.inventory.n_layers
     assert res.dropped.shape == (n_layers, len(res.heads), len(batch))
     full = _direct(lm, batch, None)
@@ -102,7 +101,3 @@ def test_graddrop_score_and_options():
     dropped = torch.tensor([[[float("nan")], [float("nan")]], [[-2.0], [float("nan")]], [[1.0], [float("nan")]]])
     plain = torch.tensor([[5.0], [-3.0]])
     assert graddrop_score(dropped, plain).tolist() == [[1.5], [3.0]]
-    lm = load_model("tiny:llama")
-    batch = annotate(mc_prompts(2), lm.tokenizer, padding_side="left")
-    with pytest.raises(GascanError, match="qk_fix=False"):
-        atp_effects(lm, batch, grad_drop=True)

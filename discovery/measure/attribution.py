@@ -60,7 +60,6 @@ from discovery.errors import GascanError
 from discovery.heads import HeadId
 from discovery.measure.ablation import SCOPES, class_index, class_means, scope_positions
 from discovery.measure.flops import MatmulFlops
-from discovery.measure.graddrop import GradDropResult, graddrop_effects
 from discovery.measure.patterns import model_inputs
 from discovery.model.intervene import Intervener, PassConfig
 from discovery.model.loading import LoadedModel
@@ -421,8 +420,7 @@ class _Screen:
 
 def atp_effects(lm: LoadedModel, batch: AnnotatedBatch, *, heads: Sequence[HeadId] | None = None,
                 method: str = "zero", scope: Sequence[str] = ("all",), metric: str = "logit_diff",
-                qk_fix: bool = True, chunk_prompts: int = 8, max_rows: int = 256,
-                grad_drop: bool = False) -> AttributionResult | GradDropResult:
+                qk_fix: bool = True, chunk_prompts: int = 8, max_rows: int = 256) -> AttributionResult:
     """AtP (with the QK fix for attention heads when ``qk_fix``) estimates of every head's ablation effect.
 
     ``method``: ``zero`` or ``mean`` (per-position-class mean over the batch, as the engine ablates);
@@ -430,18 +428,12 @@ def atp_effects(lm: LoadedModel, batch: AnnotatedBatch, *, heads: Sequence[HeadI
     ``gold_logprob`` at the query position over the candidates' first tokens, exactly as the ablation
     engine scores (whatever the task's own scoring). Prompts are processed ``chunk_prompts`` at a time; the
     QK fix's query passes hold at most ``max_rows`` rows. See the module docstring for exactly
-    what is approximated. ``grad_drop``: AtP* GradDrop instead (:mod:`discovery.measure.graddrop`; its
-    scores are magnitudes), which needs ``qk_fix=False``.
+    what is approximated. AtP* GradDrop: :func:`discovery.measure.graddrop.graddrop_screen`.
     """
     from discovery.model.loading import as_loaded
 
     lm = as_loaded(lm)  # a LoadedModel, an nnsight LanguageModel or a transformers model
     chosen = _check(lm, batch, heads, method, scope, metric, chunk_prompts)
-    if grad_drop:
-        if qk_fix:
-            raise GascanError("GradDrop is computed on plain AtP gradients, not with the QK fix",
-                              "pass qk_fix=False with grad_drop=True")
-        return graddrop_effects(lm, batch, chosen, method, scope, metric, chunk_prompts)
     screen = _Screen(lm, batch, chosen, method, scope, metric, qk_fix, max_rows)
     n = len(batch)
     chunks = [slice(s, min(s + chunk_prompts, n)) for s in range(0, n, chunk_prompts)]

@@ -147,9 +147,22 @@ def run_graddrop_chunk(screen: Any, rows: slice, plain: torch.Tensor, dropped: t
         screen.passes += len(drops)
 
 
+def graddrop_screen(lm: LoadedModel, batch: AnnotatedBatch, *, heads: Sequence[HeadId] | None = None,
+                    method: str = "zero", scope: Sequence[str] = ("all",), metric: str = "logit_diff",
+                    chunk_prompts: int = 8) -> GradDropResult:
+    """AtP* GradDrop scores (magnitudes) of every head, or of ``heads``: the arguments as
+    :func:`~discovery.measure.attribution.atp_effects` takes them (plain AtP gradients, no QK fix)."""
+    from discovery.measure.attribution import _check
+    from discovery.model.loading import as_loaded
+
+    lm = as_loaded(lm)
+    chosen = _check(lm, batch, heads, method, scope, metric, chunk_prompts)
+    return graddrop_effects(lm, batch, chosen, method, scope, metric, chunk_prompts)
+
+
 def graddrop_effects(lm: LoadedModel, batch: AnnotatedBatch, chosen: list[HeadId], method: str,
                      scope: Sequence[str], metric: str, chunk_prompts: int) -> GradDropResult:
-    """GradDrop scores of ``chosen`` heads (checked by the caller, :func:`~discovery.measure.attribution.atp_effects`)."""
+    """GradDrop scores of ``chosen`` heads (checked by the caller, :func:`graddrop_screen`)."""
     from discovery.measure.attribution import _Screen
 
     screen = _Screen(lm, batch, chosen, method, scope, metric, False, 256)

@@ -123,10 +123,14 @@ def screen_scores(lm: LoadedModel, batch: AnnotatedBatch, engine: AblationEngine
         return effects.logit_diff.float().mean(-1), effects
     if name not in SCREENS:
         raise ValueError(f"unknown screen {name!r}; known: {', '.join(SCREENS)}")
-    grad_drop = name.startswith("graddrop")
+    if name.startswith("graddrop"):
+        from discovery.measure.graddrop import graddrop_screen
+
+        result = graddrop_screen(lm, batch, heads=list(heads), method="zero", scope=("all",), metric="logit_diff")
+        return _graddrop_scores(result, name), result
     result = atp_effects(lm, batch, heads=list(heads), method="zero", scope=("all",), metric="logit_diff",
-                         qk_fix=name == "atp_qk", grad_drop=grad_drop)
-    return (_graddrop_scores(result, name) if grad_drop else result.estimate.float().mean(-1)), result
+                         qk_fix=name == "atp_qk")
+    return result.estimate.float().mean(-1), result
 
 
 def _metered(fn: Callable[[], Any]) -> tuple[Any, Any]:
