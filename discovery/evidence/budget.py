@@ -146,7 +146,6 @@ class Ledger:
     budget: float | None
     spent: float = 0.0
     parts: list[dict[str, Any]] = field(default_factory=list)
-    settings: dict[str, Any] = field(default_factory=dict)
 
     def allowance(self, part: str) -> float | None:
         """What ``part`` may spend: its share of the budget plus what earlier parts left unspent (the pair
@@ -167,15 +166,14 @@ class Ledger:
     def record(self) -> dict[str, Any]:
         """The summary's ``evidence_budget`` record."""
         return {"budget": _round(self.budget), "spent": round(self.spent, 3), "parts": self.parts,
-                "settings": self.settings, "rule": RULE_TEXT}
+                "rule": RULE_TEXT}
 
     @classmethod
     def from_record(cls, record: Mapping[str, Any] | None, budget: float | None) -> Ledger:
         """The ledger the evidence stage left (its spending counts against the same budget)."""
         if not record:
             return cls(budget)
-        return cls(budget, float(record.get("spent") or 0.0), list(record.get("parts") or []),
-                   dict(record.get("settings") or {}))
+        return cls(budget, float(record.get("spent") or 0.0), list(record.get("parts") or []))
 
 
 RULE_TEXT = ("tested beyond the sweep: heads whose sweep effect (all positions or the query) is at least "

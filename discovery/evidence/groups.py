@@ -198,7 +198,6 @@ def group_ablations(engine: AblationEngine, frame: pl.DataFrame, thresholds: Evi
     plans, ablations = build(kept, n_draws)
     cost = engine.predicted_forward_equivalents(ablations)
     if ledger is not None:
-        ledger.settings["group_controls"] = n_draws
         ledger.charge("group ablations", allowed, cost, groups=len(kept), of=len(groups), controls=n_draws,
                       untested=[g.name for g in groups if g not in kept], fits=fits)
     tick = stage_ticker(progress, "group ablations", len(ablations))

@@ -61,11 +61,6 @@ class EvidenceReport:
         return out
 
 
-def _scope_args(scope: str) -> tuple[str, tuple[str, ...]]:
-    """``single_head_ablations``'s method and positions for an evidence scope."""
-    return SCOPE_ABLATIONS[scope]
-
-
 def _strongest(frame: pl.DataFrame, clean_ld: float, th: EvidenceThresholds, heads: list[HeadId],
                n: int) -> list[HeadId]:
     """The ``n`` of ``heads`` the candidate rule ranks first (all of them when ``n`` covers them)."""
@@ -126,11 +121,10 @@ def evidence_report(lm: LoadedModel, batch: AnnotatedBatch, frame: pl.DataFrame,
 
     def position_cost(limit: int | None) -> float:
         return engine.predicted_forward_equivalents(
-            [a for s in todo for a in single_head_ablations(tested(limit), *_scope_args(s))])
+            [a for s in todo for a in single_head_ablations(tested(limit), *SCOPE_ABLATIONS[s])])
 
     limit, cost, fits = fit(limits, position_cost, allowed)
     candidates, why = choose_candidates(frame, clean["logit_diff"], th, limit)
-    ledger.settings["candidates"] = len(candidates)
     ledger.charge("position effects", allowed, cost, heads=len(candidates), of=len(heads), fits=fits)
     if todo:
         effects = position_effects(engine, candidates, scopes=todo, bootstrap=bootstrap, seed=seed, progress=progress)
@@ -162,7 +156,7 @@ def evidence_report(lm: LoadedModel, batch: AnnotatedBatch, frame: pl.DataFrame,
 
         def mm_cost(n: int) -> float:
             return mm_engine.predicted_forward_equivalents(
-                [a for s in MINIMAL_SCOPES for a in single_head_ablations(mm_heads(n), *_scope_args(s))])
+                [a for s in MINIMAL_SCOPES for a in single_head_ablations(mm_heads(n), *SCOPE_ABLATIONS[s])])
 
         n_mm, cost, fits = fit(sizes or [0], mm_cost, allowed)
         ledger.charge("minimal model", allowed, cost + depth / lm.inventory.n_layers, heads=n_mm, of=len(below),

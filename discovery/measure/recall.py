@@ -101,7 +101,7 @@ def screen_recall(exact: torch.Tensor, score: torch.Tensor, *, top: int = TOP, t
 def _sweep(engine: AblationEngine, heads: Sequence[HeadId], scope: str) -> Any:
     """Per-prompt effects (``Scores`` of ``[head, prompt]``) of zero-ablating each head at ``scope``."""
     ablations = single_head_ablations(heads, "zero", (scope,))
-    return engine.effects(ablations, engine.run(ablations))
+    return engine.effects(ablations)
 
 
 def _graddrop_scores(result: Any, name: str) -> torch.Tensor:

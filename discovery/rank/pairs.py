@@ -206,7 +206,7 @@ def rank_pairs(lm: Any, batch: Any, heads_frame: pl.DataFrame, k: int = 3, *, su
     mediation = {g: engine.mediation(Ablation((g,), "zero", ("segment",)), [(a,) for a in partners[g]]) for g in gs}
     held_cost = {(g, a): held for g in gs for a, held in zip(partners[g], mediation[g][1])}
     min_cost = MIN_MEDIATED_COST * abs(float(engine.clean.logit_diff.mean()))
-    reserve_note = {"gather": len(gs), "aggregate": len(as_), "pairs": len(candidates), "fits": fits}
+    ranking_note = {"gather": len(gs), "aggregate": len(as_), "pairs": len(candidates), "fits": fits}
 
     clean_agg = aggregate_metrics_under(lm, batch, None, as_)
     under = {g: aggregate_metrics_under(lm, batch, g, partners[g], engine=engine) for g in gs}
@@ -235,7 +235,7 @@ def rank_pairs(lm: Any, batch: Any, heads_frame: pl.DataFrame, k: int = 3, *, su
                             lambda r: r["score"])
     for rank, r in enumerate(rows, 1):
         r["rank"] = rank
-    ledger.charge("pairs (ranking)", allowed, ranking_cost(candidates), **reserve_note)
+    ledger.charge("pairs (ranking)", allowed, ranking_cost(candidates), **ranking_note)
     # verification keeps its controls (they are the test's statistics); the budget verifies fewer top pairs
     allowed = ledger.allowance("pairs")
     n_top, cost, fits = fit(list(range(min(k, len(rows)), 0, -1)), lambda n: engine.predicted_forward_equivalents(

@@ -56,18 +56,17 @@ def cost_section(scan: Scan) -> Section | None:
 
 def budget_section(scan: Scan) -> Section | None:
     """The evidence budget per task: the rule, what each part was allowed and ran, and the untested heads."""
-    from discovery.report.first_screen import budget_cuts
+    from discovery.evidence.budget import DEFAULT_FACTOR, MIN_BUDGET
+    from discovery.report.first_screen import budget_cuts, budget_record
 
     rows, paragraphs, rule = [], [], ""
     for task in scan.tasks:
-        ev = (scan.summary.get("evidence") or {}).get(task) or {}
-        record = ((scan.summary.get("budget") or {}).get(task)) or ev.get("budget")
+        record, untested = budget_record(scan, task)
         if not record:
             continue
         for part in record.get("parts") or []:
             rows.append([task, part["part"], "–" if part.get("allowance") is None else f"{part['allowance']:.1f}",
                          f"{part['predicted']:.1f}", "yes" if part.get("fits", True) else "no (smallest plan ran)"])
-        untested = ev.get("untested") or []
         limit = record.get("budget")
         cuts = budget_cuts(record)
         paragraphs.append(
@@ -81,9 +80,9 @@ def budget_section(scan: Scan) -> Section | None:
         return None
     return Section("Evidence budget", [
         "The evidence and pair tests run within a budget of forward-equivalents per task (gascan scan --budget; "
-        "default 1.5x the exact all-position sweep, at least 200). Candidate rule: " + str(rule) + ". Each part's "
-        "allowance (its share plus what earlier parts left) and what it ran (predicted from the layers each "
-        "ablation recomputes, one per pattern or read pass):", *paragraphs],
+        f"default {DEFAULT_FACTOR:g}x the exact all-position sweep, at least {MIN_BUDGET:g}). Candidate rule: "
+        f"{rule}. Each part's allowance (its share plus what earlier parts left) and what it ran (predicted "
+        "from the layers each ablation recomputes, one per pattern or read pass):", *paragraphs],
         tables=[Table(["task", "part", "allowance", "ran", "fits"], rows)])
 
 

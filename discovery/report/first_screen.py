@@ -200,6 +200,13 @@ def build_first_screen(scan: Scan, heads: pl.DataFrame, n_layers: int) -> tuple[
     return screen, verdict
 
 
+def budget_record(scan: Scan, task: str) -> tuple[Mapping[str, Any], list[str]]:
+    """A task's evidence-budget record (after the pair stage when it ran, which adds its parts) and the heads
+    the evidence stage left untested beyond the sweep."""
+    ev = (scan.summary.get("evidence") or {}).get(task) or {}
+    return ((scan.summary.get("budget") or {}).get(task) or ev.get("budget") or {}), list(ev.get("untested") or [])
+
+
 def budget_cuts(record: Mapping[str, Any]) -> list[str]:
     """The parts of an evidence-budget record that ran less than all of their work, in words."""
     out = []
@@ -215,9 +222,7 @@ def budget_line(scan: Scan) -> str:
     """What the evidence budget left untested, in one sentence ("" when every head was tested)."""
     parts = []
     for task in scan.tasks:
-        ev = ((scan.summary.get("evidence") or {}).get(task) or {})
-        untested = ev.get("untested") or []
-        record = ev.get("budget") or {}
+        record, untested = budget_record(scan, task)
         if not untested and not budget_cuts(record):
             continue
         n = int(scan.heads.filter(pl.col("task") == task).height) if "task" in scan.heads.columns else scan.heads.height
