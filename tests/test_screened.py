@@ -3,10 +3,8 @@ at a fraction of its cost, and leaves the other heads' all-position columns null
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import pytest
-import torch
 
 from discovery.model.loading import load_model
 from discovery.toy import trained_task_options
@@ -18,7 +16,6 @@ from tests.test_attribution import one_thread  # noqa: F401  (autouse: small mod
 def test_screened_sweep_keeps_the_exact_top_heads_for_less(monkeypatch):
     from discovery.measure import recall
 
-    started = time.perf_counter()
     lm = load_model("bundled:mc1-transformer")
     opts = {"mc": trained_task_options(list(lm.files)).get("mc", {})}
     n_heads = len(list(lm.inventory.heads()))
@@ -46,4 +43,3 @@ def test_screened_sweep_keeps_the_exact_top_heads_for_less(monkeypatch):
     if record["screen"] == "atp_qk":  # the screen's own column covers every head, as in an exact scan
         assert screened["atp_ld"].null_count() == 0
         assert sc_summary["attribution"]["agreement"] == record["agreement"]
-    assert torch.get_num_threads() == 1 and time.perf_counter() - started < 30
