@@ -151,7 +151,7 @@ class _Target:
     keys: torch.Tensor  # [prompt, head, key, d_head] keys as the attention function saw them, per query head
     valid: torch.Tensor  # [prompt, key] bool: the keys the query row may read
     at_query: torch.Tensor  # [prompt, key] bool: True at each prompt's query position
-    key_grad: torch.Tensor  # [head, prompt, pos, d_model] d(raw on the query row)/d(layer input) via the keys
+    key_grad: torch.Tensor  # [prompt, pos, d_model, head] d(raw on the query row)/d(layer input) via the keys
     linear: torch.Tensor  # [prompt, pos, d_model] d<grad, probs>/d(layer input): AtP's first order on this row
     query_input: torch.Tensor  # [prompt, d_model] the layer's clean input at the query position
     scale: float
@@ -164,6 +164,22 @@ class _Target:
         """Softmax of ``raw`` ``[..., prompt, head, key]`` after the model's soft-capping, on the valid keys."""
         scores = raw if self.softcap is None else self.softcap * torch.tanh(raw / self.softcap)
         return torch.softmax(scores.masked_fill(~self.valid[:, None], float("-inf")), dim=-1)
+
+
+DIRECTION_ELEMENTS = 1 << 26  # QK fix: elements of the targets' key-path gradients held at once (256 MiB float32)
+
+
+def _key_path_grads(key: torch.Tensor, layer_input: torch.Tensor, cotangents: torch.Tensor) -> torch.Tensor:
+    """``d<cotangent_h, key>/d layer_input`` for every row ``h`` of ``cotangents`` ``[h, *key.shape]``: one
+    vmapped backward (``is_grads_batched``), or one backward per row where an op of the key path has no
+    batching rule. ``[h, *layer_input.shape]``, detached."""
+    try:
+        (grads,) = torch.autograd.grad(key, layer_input, grad_outputs=cotangents, retain_graph=True,
+                                       is_grads_batched=True)
+        return grads.detach()
+    except RuntimeError:  # an op without a vmap rule (a custom kernel): the plain per-row backward
+        return torch.stack([torch.autograd.grad(key, layer_input, grad_outputs=c, retain_graph=True)[0].detach()
+                            for c in cotangents])
 
 
 def _valid_keys(mask, query_pos: torch.Tensor, n_keys: int) -> torch.Tensor:
@@ -304,19 +320,23 @@ class _Screen:
         deltas = self._direct_writes(diffs)
         xs.clear()
         diffs.clear()
-        fix = {key: torch.zeros(len(indices), n, device=self.device) for key, indices in self.sources.items()}
-        for m, g in zip(targets, grads[len(keys):], strict=True):
-            if g is not None:  # one target at a time: its key-path gradients are the screen's largest tensors
-                target = self._target(part, m, probs[m], g, hidden[m - 1], qk[m])
-                for key, delta in deltas.items():
-                    if key[0] < m:
-                        fix[key] += self._fix_for(part, target, delta)
-        for (layer, kind), indices in self.sources.items():
-            for a, index in enumerate(indices):
+        order = sorted(deltas)  # source groups by layer: the sources before a target are a prefix
+        sizes = [deltas[key].shape[2] for key in order]
+        writes = torch.cat([deltas.pop(key) for key in order], dim=2)  # [prompt, pos, source head, d]
+        before = {m: sum(size for key, size in zip(order, sizes, strict=True) if key[0] < m) for m in targets}
+        fix = torch.zeros(writes.shape[2], n, device=self.device)  # [source head, prompt]
+        pending = [(m, g) for m, g in zip(targets, grads[len(keys):], strict=True) if g is not None and before[m]]
+        per_target = writes[:, :, 0].numel() * (probs[pending[0][0]].shape[1] + 1) if pending else 1
+        size = max(1, DIRECTION_ELEMENTS // per_target)
+        for first in range(0, len(pending), size):  # the targets' key paths are the screen's largest tensors
+            group = [self._target(part, m, probs[m], g, hidden[m - 1], qk[m]) for m, g in pending[first:first + size]]
+            self._fix_group(part, group, writes, before, fix)
+        for (layer, kind), part_fix in zip(order, fix.split(sizes), strict=True):
+            for a, index in enumerate(self.sources[(layer, kind)]):
                 head = HeadId(layer, index, kind)
-                estimate[self.row_of[head], rows] += fix[(layer, kind)][a]
+                estimate[self.row_of[head], rows] += part_fix[a]
                 if correction is not None:
-                    correction[self.row_of[head], rows] = fix[(layer, kind)][a]
+                    correction[self.row_of[head], rows] = part_fix[a]
 
     # -- the QK fix ------------------------------------------------------------------------------------
     def _target(self, part: AnnotatedBatch, layer: int, probs: torch.Tensor, grad: torch.Tensor, layer_input: torch.Tensor,
@@ -335,18 +355,16 @@ class _Screen:
         row_grad = torch.zeros_like(probs)
         row_grad[rows, :, qpos] = grad[rows, :, qpos]
         (linear,) = torch.autograd.grad(probs, layer_input, grad_outputs=row_grad, retain_graph=True)
-        key_grad = []
-        for h in range(n_heads):  # d(scale * q_h . k_j)/d(layer input at j), the query held fixed
-            cotangent = torch.zeros_like(key)
-            cotangent[:, h // n_rep] = scale * q_row[:, h, None, :]
-            (g,) = torch.autograd.grad(key, layer_input, grad_outputs=cotangent, retain_graph=True)
-            g = g.detach().clone()
-            g[rows, qpos] = 0.0  # the query position's own key is recomputed exactly in the query pass
-            key_grad.append(g)
+        # d(scale * q_h . k_j)/d(layer input at j), the query held fixed: one batched backward for all heads
+        cotangents = torch.zeros((n_heads, *key.shape), dtype=key.dtype, device=key.device)  # [h, *key]
+        for h in range(n_heads):
+            cotangents[h, :, h // n_rep] = scale * q_row[:, h, None, :]
+        key_grad = _key_path_grads(key, layer_input, cotangents)  # [h, prompt, pos, d_model]
+        key_grad[:, rows, qpos] = 0.0  # the query position's own key is recomputed exactly in the query pass
         at_query = torch.arange(key.shape[2], device=self.device)[None] == qpos[:, None]  # [prompt, key]
         return _Target(layer=layer, probs=probs.detach()[rows, :, qpos], grad=grad.detach()[rows, :, qpos], raw=raw,
                        keys=keys, valid=_valid_keys(mask, qpos, key.shape[2]), at_query=at_query,
-                       key_grad=torch.stack(key_grad), linear=linear.detach(),
+                       key_grad=key_grad.permute(1, 2, 3, 0), linear=linear.detach(),
                        query_input=layer_input.detach()[rows, qpos], scale=scale, softcap=softcap)
 
     def _query_pass(self, part: AnnotatedBatch, layer: int, start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -379,7 +397,8 @@ class _Screen:
 
     def _direct_writes(self, diffs: dict[tuple[int, str], torch.Tensor]) -> dict[tuple[int, str], torch.Tensor]:
         """Each source head's direct write into the residual stream under the ablation,
-        ``(x_ablated - x)[head] @ W_out[head]^T`` times the layer's write scale: ``[head, prompt, pos, d_model]``."""
+        ``(x_ablated - x)[head] @ W_out[head]^T`` times the layer's write scale: ``[prompt, pos, head, d_model]``
+        (heads next to the model dimension, so the fix contracts them with batched matmuls and no copies)."""
         out = {}
         for key, indices in self.sources.items():
             diff = diffs[key].float()  # [prompt, pos, in]
@@ -387,40 +406,62 @@ class _Screen:
             weight = self.lm.adapter.out_proj_weight(*key).detach().float()  # [d_model, in]
             write = self.lm.adapter.residual_write_scale(*key)
             out[key] = torch.stack([write * diff[..., group.columns(i)] @ weight[:, group.columns(i)].T
-                                    for i in indices])
+                                    for i in indices], dim=2)
         return out
 
-    def _fix_for(self, part: AnnotatedBatch, target: _Target, delta: torch.Tensor) -> torch.Tensor:
-        """The QK fix ``[head, prompt]`` of source heads with direct writes ``delta`` ``[head, prompt, pos, d]``
-        on one target layer's query row (see the module docstring)."""
+    def _fix_group(self, part: AnnotatedBatch, group: list[_Target], writes: torch.Tensor, before: dict[int, int],
+                   fix: torch.Tensor) -> None:
+        """Add to ``fix`` ``[source head, prompt]`` the QK fix on each target of ``group`` of the source heads
+        before it (their direct writes: the first ``before[layer]`` heads of ``writes`` ``[prompt, pos, head, d]``).
+
+        One batched matmul contracts every source's write with every target's key-path gradients and
+        first-order direction (on SmolLM2, per source-target pair einsums took 4/5 of the screen's wall time;
+        the sources after a target are computed and dropped, cheaper than small matmuls)."""
+        directions = torch.cat([torch.cat([t.key_grad.float(), t.linear.float()[..., None]], dim=-1) for t in group],
+                               dim=-1)  # [prompt, pos, d, Σ(h+1)]
+        reach = max(before[t.layer] for t in group)
+        products = torch.matmul(writes[:, :, :reach], directions)  # [prompt, pos, source head, Σ(h+1)]
+        prompt = torch.arange(len(part), device=self.device)
+        query_rows = writes[prompt, part.query_pos.to(self.device)]  # [prompt, source head, d]
+        column = 0
+        for target in group:
+            width = target.key_grad.shape[-1] + 1
+            k = before[target.layer]
+            own = products[:, :, :k, column:column + width]  # [prompt, pos, head, h+1]
+            fix[:k] += self._fix_for(part, target, own, query_rows[:, :k])
+            column += width
+
+    def _fix_for(self, part: AnnotatedBatch, target: _Target, products: torch.Tensor, query_rows: torch.Tensor
+                 ) -> torch.Tensor:
+        """The QK fix ``[head, prompt]`` on one target layer's query row of source heads whose direct writes,
+        contracted with the target's key-path gradients and first-order direction, are ``products``
+        ``[prompt, pos, head, h+1]``, and whose writes at the query row are ``query_rows`` ``[prompt, head, d]``
+        (see the module docstring). The queries are recomputed in passes of up to ``max_rows`` rows."""
         n = len(part)
-        prompt = torch.arange(n, device=self.device)
-        qpos = part.query_pos.to(self.device)
+        moved_all = products[..., :-1].permute(2, 0, 3, 1)  # keys, first order: [head, prompt, h, key]
+        first_order = products[..., -1].sum(1).T  # AtP's own term for this row: [head, prompt]
         per_pass = max(1, self.max_rows // n)
         fixes = []
-        for first in range(0, len(delta), per_pass):
-            block = delta[first:first + per_pass]  # [head, prompt, pos, d]
-            # keys at every other position: first order through the key path
-            moved = torch.einsum("knpd,hnpd->knhp", block, target.key_grad.float())  # [head, prompt, h, key]
+        for first in range(0, query_rows.shape[1], per_pass):
+            block = slice(first, first + per_pass)
             # the query row itself: queries (and the query position's own key) exact, from the layer's code
-            start = target.query_input[:, None].float() + block[:, prompt, qpos].transpose(0, 1)  # [prompt, head, d]
+            start = target.query_input[:, None].float() + query_rows[:, block]  # [prompt, head, d]
             q_new, k_new = self._query_pass(part, target.layer, start.to(target.query_input.dtype))
             q_new = q_new.float()  # [prompt, h, head, d_head]
             k_new = k_new.float().repeat_interleave(q_new.shape[1] // k_new.shape[1], dim=1)
             raw_q = target.scale * torch.einsum("nhkd,nhpd->knhp", q_new, target.keys.float())
             own = target.scale * (q_new * k_new).sum(-1)  # [prompt, h, head]: the new query . its own new key
             moved = torch.where(target.at_query[None, :, None, :], own.permute(2, 0, 1)[..., None],
-                                moved + raw_q) - target.raw[None].float()
+                                moved_all[block] + raw_q) - target.raw[None].float()
             exact = ((target.pattern(target.raw[None].float() + moved) - target.clean[None])
                      * target.grad[None].float()).sum((2, 3))  # [head, prompt]
-            first_order = torch.einsum("knpd,npd->kn", block, target.linear.float())
-            fixes.append(exact - first_order)
+            fixes.append(exact - first_order[block])
         return torch.cat(fixes)
 
 
 def atp_effects(lm: LoadedModel, batch: AnnotatedBatch, *, heads: Sequence[HeadId] | None = None,
                 method: str = "zero", scope: Sequence[str] = ("all",), metric: str = "logit_diff",
-                qk_fix: bool = True, chunk_prompts: int = 8, max_rows: int = 256) -> AttributionResult:
+                qk_fix: bool = True, chunk_prompts: int = 8, max_rows: int = 4096) -> AttributionResult:
     """AtP (with the QK fix for attention heads when ``qk_fix``) estimates of every head's ablation effect.
 
     ``method``: ``zero`` or ``mean`` (per-position-class mean over the batch, as the engine ablates);
