@@ -43,3 +43,10 @@ def test_screened_sweep_keeps_the_exact_top_heads_for_less(monkeypatch):
     if record["screen"] == "atp_qk":  # the screen's own column covers every head, as in an exact scan
         assert screened["atp_ld"].null_count() == 0
         assert sc_summary["attribution"]["agreement"] == record["agreement"]
+    # the report says what was screened, how many heads were swept exactly, and agreement on those only
+    from discovery.report.sections import screened_sentence
+
+    sentence = screened_sentence("mc", record)
+    assert f"top {k} heads" in sentence and f"all {n_heads} heads" in sentence
+    assert f"the other {n_heads - k} heads have no exact all-position drop" in sentence
+    assert f"On the {k} swept heads" in sentence and "k is below (the screen may miss heads) the largest k, 23, the screen needed on the 9 measured runs" in sentence

@@ -124,14 +124,38 @@ def roles_section(scan: Scan, heads: pl.DataFrame, verdict: Verdict | None) -> S
     return sec
 
 
+def screened_sentence(task: str, screened: dict) -> str:
+    """What ``--ablation screened`` did and how far its screen is trusted: the screen's cost for every head,
+    the k heads it sent to the exact sweep and why k, and its agreement on those k only (the other heads
+    have no exact all-position effect to compare with)."""
+    agreement = screened.get("agreement") or {}
+    measured = screened.get("measured_recall") or {}
+    n, k = screened.get("n_heads"), screened.get("k")
+    worst = measured.get("worst_k_for_recall")
+    relation = "at least" if worst is not None and k is not None and k >= worst else "below (the screen may miss heads)"
+    why = (f" (k is {relation} the largest k, {worst}, the screen needed on the "
+           f"{measured.get('runs')} measured runs to find {measured.get('target')} of the exact top "
+           f"{measured.get('top')}: {measured.get('table')})" if measured.get("worst_k_for_recall") else "")
+    return (f"{task}: the screen ({screened.get('method')}, {fmt(screened.get('forward_equivalents'))} "
+            f"forward-equivalents for all {n} heads) sent its top {k} heads to the exact all-position sweep{why}; "
+            f"the other {n - k if n is not None and k is not None else '–'} heads have no exact all-position drop. "
+            f"On the {k} swept heads the screen ranks like the exact sweep with Spearman "
+            f"{fmt(agreement.get('spearman'))} (on absolute drops {fmt(agreement.get('spearman_abs'))}); "
+            f"recall@{agreement.get('k')} {fmt(agreement.get('recall_at_k'))}.")
+
+
 def top_heads_section(scan: Scan, heads: pl.DataFrame, k: int = MAX_LISTED) -> Section:
     sec = Section("Heads with the largest effects",
                   [("Zero ablation of one head; drop = clean − ablated logit difference, mean over prompts with a "
                     "95% bootstrap interval. Positive = the head helps the task.")])
     for task in scan.tasks:
-        screen = ((scan.summary.get("tasks") or {}).get(task) or {}).get("attribution") or {}
+        task_summary = (scan.summary.get("tasks") or {}).get(task) or {}
+        screen = task_summary.get("attribution") or {}
         agreement = screen.get("agreement")
-        if agreement:
+        screened = task_summary.get("screen")
+        if screened and agreement:
+            sec.paragraphs.append(screened_sentence(task, screened))
+        elif agreement:
             sec.paragraphs.append(
                 f"{task}: the attribution screen (AtP with the QK fix, {fmt(screen.get('forward_equivalents'))} "
                 f"forward-equivalents for every head) ranks heads like the exact sweep with Spearman "
