@@ -80,6 +80,9 @@ def test_budget_values_parse_and_resolve():
     assert resolve_budget("auto", None, layers, 30) == pytest.approx(1.5 * 9 * 15.5)
     assert resolve_budget("auto", None, [0, 1], 2) == MIN_BUDGET == default_budget(1.0)
     assert resolve_budget("none", None, layers, 30) is None
+    # --ablation screened: the sweep covered the screen's top heads only (here 200 heads of layers 0 and 20)
+    screened = {"screen": {"heads": ["L0H1"] * 100 + ["L20H3"] * 100}}
+    assert resolve_budget("auto", None, layers, 30, screened) == pytest.approx(1.5 * (100 * 1.0 + 100 * 10 / 30))
     # seconds: converted with the sweep's measured rate (here 2 s per forward-equivalent)
     assert resolve_budget("s", 100.0, layers, 30, {"seconds": 20.0, "cost": {"forward_equivalents": 10.0}}) == 50.0
 

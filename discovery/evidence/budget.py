@@ -35,6 +35,7 @@ test rejects) are never cut. What was cut is recorded and reported. The default 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -202,13 +203,26 @@ def all_position_sweep_fe(layers: Sequence[int], n_layers: int) -> float:
     return sum((n_layers - layer) / n_layers for layer in layers)
 
 
+def _screened_layers(task_summary: Mapping[str, Any] | None) -> list[int] | None:
+    """The layers of the heads a screened scan swept at all positions (its task summary's ``screen`` record,
+    head names such as ``L3H1``), or None for a scan that swept every head."""
+    heads = ((task_summary or {}).get("screen") or {}).get("heads")
+    if not heads:
+        return None
+    return [int(re.match(r"L(\d+)", name).group(1)) for name in heads]
+
+
 def resolve_budget(unit: str, amount: float | None, layers: Sequence[int], n_layers: int,
                    task_summary: Mapping[str, Any] | None = None) -> float | None:
     """The evidence + pairs budget of one task in forward-equivalents (None: unbounded), from a parsed
     ``--budget`` (``unit`` auto, none, fe or s; :func:`pipelines.validate.budget`). ``auto``:
-    :func:`default_budget` of the all-position sweep's layer count (the sweep's dominant part; deterministic)."""
+    :func:`default_budget` of the all-position sweep's layer count (the sweep's dominant part; deterministic):
+    every head's, or for ``--ablation screened`` the swept heads' only."""
     if unit == "none":
         return None
+    swept = _screened_layers(task_summary)
+    if swept is not None:  # --ablation screened: the all-position sweep covered the screen's top heads only
+        layers = swept
     if unit == "auto":
         return default_budget(all_position_sweep_fe(layers, n_layers))
     if unit == "fe":
