@@ -194,6 +194,8 @@ n_choices = 3
     ({"models": ["{root}"], "scan": {"prompts": "many"}}, ["[scan] prompts", "wrong type"]),
     ({"models": ["{root}"], "tasks": ["mcq"]}, ["mcq"]),
     ({"models": ["{root}"], "scan": {"layers_per_shard": 0}}, ["layers_per_shard = 0"]),
+    ({"models": ["{root}"], "scan": {"layers_per_shard": 2, "ablation": "screened"}},
+     ["ablation = screened with layers_per_shard", "leave out layers_per_shard"]),
     ({"models": [{"path": "{root}", "series": "{root}"}]}, ["exactly one of `path` and `series`"]),
 ])
 def test_bad_specs_are_one_line_errors(series, data, words):

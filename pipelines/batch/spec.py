@@ -70,6 +70,10 @@ class BatchSpec:
         if self.layers_per_shard is not None and self.layers_per_shard < 1:
             raise GascanError(f"layers_per_shard = {self.layers_per_shard} is not positive",
                               "use 1 or more, or leave it out for one shard per checkpoint and task")
+        if self.layers_per_shard is not None and self.scan.ablation == "screened":
+            raise GascanError("ablation = screened with layers_per_shard: each layer-range shard would send its own "
+                              "top heads to the exact sweep, not the model's top heads as gascan scan does",
+                              "leave out layers_per_shard (one shard per checkpoint and task) or use ablation = exact")
 
     @property
     def tasks(self) -> list[str]:
