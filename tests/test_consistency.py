@@ -52,7 +52,8 @@ def consistency_problems(directory: Path) -> list[str]:
             problems.append(f"{directory.name}: a pair with enough controls is called not testable")
     for task in verdict.tasks:
         verified_heads = {h.name for p in task.verified_pairs for h in (p.gather, p.aggregate)}
-        claim = task.sentence.split("Decoys")[0]
+        # the claim: what comes before the lists of heads named as not G&A (refined channels, decoys)
+        claim = re.split(r"Refined channels|Decoys", task.sentence)[0]
         if task.outcome == "verified":
             named = set(HEAD.findall(claim))
             if not named or not named <= verified_heads:
