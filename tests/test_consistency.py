@@ -105,7 +105,7 @@ def test_committed_reports_are_consistent(directory):
     assert consistency_problems(directory) == []
 
 
-BUNDLED = ("mc-transformer", "mc-mamba2", "mc-mamba2-k2", "mc-hybrid", "mc1-transformer", "mc3-transformer")
+BUNDLED = ("mc-transformer", "mc-mamba2", "mc-mamba2-k2", "mc-hybrid", "mc1-transformer", "mc3-transformer", "mc-mamba1")
 
 
 @pytest.mark.slow
