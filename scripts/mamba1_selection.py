@@ -21,7 +21,6 @@ from pathlib import Path
 
 import torch
 
-from discovery.heads import HeadId
 from discovery.measure.ablation import METRICS, AblationEngine, Scores, single_head_ablations
 from discovery.measure.attribution import atp_effects
 from discovery.measure.refine import RefineSettings, refine_channels
