@@ -24,6 +24,16 @@ class HeadId:
         return {"layer": self.layer, "head": self.index, "kind": self.kind}
 
 
+def channel_label(name: str, start: int | None, end: int | None, note: str = "") -> str:
+    """A head's name with its Mamba-1 channels when it is a refined channel head (``L1S32 (ch 195)``,
+    ``L1S33 (ch 48-55)``; ``note`` goes inside the parentheses: ``L1S32 (ch 195, drop 1.19)``), else the
+    name: the one wording of the report's tables and the verdict sentence."""
+    if start is None or end is None:
+        return name
+    channels = str(start) if end - start == 1 else f"{start}-{end - 1}"
+    return f"{name} (ch {channels}{note})"
+
+
 @dataclass(frozen=True)
 class HeadGroup:
     """The heads of one kind in one layer, and where their outputs live.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -130,9 +131,11 @@ def test_batched_refinement_equals_a_naive_loop(planted):
 
 TOY = "mc-mamba1"
 TOY_PROMPTS = 32  # refinement runs on the first 32 of the truth's 64 prompts (the whole truth: ~10 min here)
-TOY_RECALL = 0.75  # share of the truth's important channels refinement must find (measured 0.75: 3 of 4)
+TOY_RECALL = 0.75  # share of the truth's important channels refinement must find (measured 0.75: 3 of 4; no margin,
+# since channels near the 10% threshold move with the prompts: see the scan-prompt tests below)
 TOY_PRECISION = 0.75  # share of the single-channel leaves the truth puts at >= half that (measured 0.80: 4 of 5)
 TOY_CHECKED = 6  # truth rows re-ablated live: the top 3 and 3 drawn from the rest
+REPORT = Path(__file__).resolve().parents[1] / "reports" / "toy-mc-mamba1"
 
 
 @pytest.fixture(scope="module")
@@ -208,6 +211,85 @@ def test_refinement_on_the_bundled_mamba1_toy_finds_the_truth_channels(toy):
     assert sweep_fe == pytest.approx(truth["forward_equivalents"] / len(truth["scopes"]), rel=1e-6)
     assert (ref.forward_equivalents + group_fe) * 4 < sweep_fe
     assert ref.forward_equivalents * 10 < sweep_fe
+
+
+SCAN_TRUTH = Path(__file__).resolve().parent / "data" / "mc_mamba1_scan_channel_truth.json"
+"""Every channel ablated alone on the committed scan's own prompts (64, seed 0; the file says how it was made)."""
+
+
+def test_on_the_scans_prompts_the_missed_channels_fall_under_the_threshold(toy):
+    """Why refinement misses the truth's third and fourth channels on the committed scan: on the scan's own
+    prompts L1C11 and L1C129 (11.2% and 10.3% of clean on the truth's prompts) drop the logit difference by
+    only 5.0% and 3.5% alone, and their groups L1S1 and L1S16 by the same (nothing cancels inside the groups),
+    while L1C195 and L0C72 stay above the 10% threshold: channels near the threshold move with the prompts.
+    The live drops are those of the scan-prompt truth (tests/data), which is checked here."""
+    from discovery.measure.ablation import single_head_ablations
+    from discovery.rank.truth import channel_view
+    from discovery.tasks import build_task
+    from discovery.toy import trained_task_options
+
+    lm, _, _ = toy
+    truth = json.loads(SCAN_TRUTH.read_text())
+    task, options = next(iter(trained_task_options(lm.files).items()))
+    prompts = build_task(task, {**options, "n": truth["clean"]["n_prompts"], "seed": truth["seed"]}).prompts()
+    batch = annotate(prompts, lm.tokenizer, padding_side="left")
+    scan = json.loads((REPORT / "summary.json").read_text())
+    assert (scan["options"]["prompts"], scan["options"]["seed"]) == (truth["clean"]["n_prompts"], truth["seed"])
+    channels = AblationEngine(channel_view(lm), batch)
+    clean = float(channels.clean.logit_diff.mean())
+    assert clean == pytest.approx(truth["clean"]["logit_diff"], abs=1e-4)
+    assert clean == pytest.approx(scan["tasks"][task]["clean"]["logit_diff"], abs=1e-4)  # 8.82
+    named = [(1, 195), (0, 72), (1, 11), (1, 129)]
+    effects = channels.effects(single_head_ablations([HeadId(la, c, "ssm") for la, c in named], "zero", ("all",)))
+    stored = {(r["layer"], r["channel"]): r["d_ld_all"] for r in truth["channels"]}
+    assert effects.logit_diff.mean(1).tolist() == pytest.approx([stored[c] for c in named], abs=1e-4)
+    alone = -effects.logit_diff.mean(1) / clean
+    assert alone.tolist() == pytest.approx([0.134, 0.103, 0.050, 0.035], abs=0.002)
+    width = lm.inventory.group(1, "ssm").width
+    together = -AblationEngine(lm, batch).effects(single_head_ablations(
+        [HeadId(1, 11 // width, "ssm"), HeadId(1, 129 // width, "ssm")], "zero", ("all",))).logit_diff.mean(1) / clean
+    assert together.tolist() == pytest.approx([0.050, 0.033], abs=0.002)
+    assert (together - alone[2:]).abs().max() < 0.005 and alone[2:].max() < RefineSettings().effect / 2
+
+
+def test_the_committed_scan_refines_every_channel_that_counts_on_its_prompts():
+    """Recall on the scan's own prompts: of the channels that drop the logit difference by >= 10% there (the
+    scan-prompt truth: L1C195 13.4%, L0C72 10.3%; the next is L1C141 at 7.7%), the committed scan's refinement
+    leaves hold every one (recall 1.00, 2 of 2) at 12.5 forward-equivalents against 640 for the channel sweep."""
+    truth = json.loads(SCAN_TRUTH.read_text())
+    record = json.loads((REPORT / "summary.json").read_text())["tasks"][truth["task"]]["refinement"]
+    clean = truth["clean"]["logit_diff"]
+    important = [(r["layer"], r["channel"]) for r in truth["important"]]
+    assert important == [(1, 195), (0, 72)] and truth["effect"] == RefineSettings().effect
+    drops = sorted((-r["d_ld_all"] / clean for r in truth["channels"]), reverse=True)
+    assert drops[1] >= truth["effect"] and drops[2] < truth["effect"] - 0.02  # the third is 2 points under it
+    found = {(leaf["layer"], c) for leaf in record["leaves"] for c in range(leaf["channel_start"], leaf["channel_end"])}
+    assert sum(c in found for c in important) / len(important) == 1.0
+    assert record["forward_equivalents"] * 10 < record["channel_sweep_forward_equivalents"] == truth["forward_equivalents"]
+
+
+def test_the_bundled_group_truth_holds_the_channel_truth():
+    """The group-level truth (truth.json: every group of 8 ablated alone, 128 prompts) and the channel truth
+    agree: no G&A role at either resolution, L0S9 alone breaks the task, and the channel truth's four important
+    channels lie in the group truth's top four groups, each group dropping about what its channel drops
+    (nothing cancels inside them)."""
+    from discovery.model.bundled import bundled_model_path
+
+    path = bundled_model_path(TOY)
+    groups = json.loads((path / "truth.json").read_text())
+    channels = json.loads((path / "truth_channels.json").read_text())
+    assert groups["checkpoint"] == channels["checkpoint"] and groups["clean"]["n_prompts"] == 128
+    assert groups["gather"] == groups["aggregate"] == groups["pairs"] == []
+    clean = groups["clean"]["logit_diff"]
+    ranked = sorted(groups["heads"], key=lambda r: r["d_ld_all"])
+    assert [(r["layer"], r["head"]) for r in ranked if r["breaks_task"]] == [(0, 9)]
+    width = 8
+    top = [(r["layer"], r["head"]) for r in ranked[:4]]
+    assert top == [(0, 9), (1, 24), (1, 16), (1, 1)]
+    assert {(r["layer"], r["channel"] // width) for r in channels["important"]} == set(top)
+    share = {(r["layer"], r["head"]): -r["d_ld_all"] / clean for r in ranked[:4]}
+    assert [round(share[g], 3) for g in top] == [0.218, 0.130, 0.095, 0.090]
+    assert not any(r["aggregate_set_member"] and r["breaks_task"] for r in groups["heads"])
 
 
 def test_toy_truth_channels_cli_scopes(tmp_path):

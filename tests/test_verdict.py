@@ -184,3 +184,78 @@ def test_decide_scan_reads_the_pair_table(tmp_path):
                                                                                                    p=0.1)]))
     tv = decide_scan(scan).for_task(TASK)
     assert tv.outcome == "verified" and len(tv.pairs) == 2 and tv.pairs[1].status == "not_testable"
+
+
+# --- rule 8: refined Mamba-1 channels ------------------------------------------------------------------
+
+def _refined(summary: dict, leaves: list[tuple[str, int, int, float, float]], *, level: int = 3) -> dict:
+    """``summary`` with a refinement record whose leaves are ``(name, layer, channel, drop, drop_lo)``: single
+    channels (the refined heads' numbers, ``L1S32``, are inventory slots after the 32 groups)."""
+    summary["tasks"][TASK]["refinement"] = {
+        "status": "done", "effect": 0.1,
+        "leaves": [{"head": name, "layer": layer, "index": int(name.split("S")[1]), "channel_start": channel,
+                    "channel_end": channel + 1, "level": level, "kind": "channel", "drop": d, "drop_lo": lo,
+                    "drop_hi": d + 0.5} for name, layer, channel, d, lo in leaves]}
+    return summary
+
+
+def _ssm_row(g: tuple[int, int], a: tuple[int, int], **kw) -> dict:
+    return {**_row(g, a, **kw), "gather_kind": "ssm", "aggregate_kind": "ssm"}
+
+
+MAMBA1_LEAVES = [("L0S32", 0, 72, 0.907, 0.396), ("L0S33", 0, 73, 0.406, 0.066), ("L1S32", 1, 195, 1.19, 0.675)]
+
+
+def test_the_verdict_names_the_refined_channels_that_carry_the_task():
+    """The committed Mamba-1 toy's case (reports/toy-mc-mamba1, clean 8.82): no G&A role; the evidence calls the
+    groups L0S9, L1S24 and the refined channels L0S32 (ch 72), L1S32 (ch 195) important, L0S33 (ch 73) not."""
+    plain = _summary(gathers=(), aggregates=(), decoys=("L3S5",), others=("L0S9", "L1S24", "L0S32", "L1S32"), ld=8.82)
+    rows = [_ssm_row((0, 9), (3, 29), roles=("other_important", "other_important"))]
+    before = decide(plain, rows).for_task(TASK)
+    assert before.sentence == ("No G&A here: no head has a gather or aggregate role by the evidence standards (L0S9 → "
+                               "L3S29 beats the controls, but as important heads, not G&A heads). Decoys (G&A-like "
+                               "pattern, no effect): L3S5.") and before.channels == ()
+    tv = decide(_refined(plain, MAMBA1_LEAVES), rows).for_task(TASK)
+    assert tv.outcome == "none" and tv.confidence == "medium"
+    # largest drop first; the claim, then the channels, then the decoys
+    assert tv.sentence == ("No G&A here: no head has a gather or aggregate role by the evidence standards (L0S9 → "
+                           "L3S29 beats the controls, but as important heads, not G&A heads). Refined channels that "
+                           "carry the task without a G&A role: L1S32 (ch 195, drop 1.19), L0S32 (ch 72, drop 0.907). "
+                           "Decoys (G&A-like pattern, no effect): L3S5.")
+    assert tv.channels == ("L1S32 (ch 195)", "L0S32 (ch 72)")
+    assert tv.reason.endswith("L0S9, L1S24, L0S32 (ch 72), L1S32 (ch 195)")
+    # a leaf at group level (a whole group left as a redundant set) is a group head: no channel label
+    whole = _refined(_summary(gathers=(), aggregates=(), decoys=(), others=("L1S24",)), [("L1S24", 1, 192, 1.2, 0.7)],
+                     level=0)
+    assert decide(whole, []).for_task(TASK).channels == ()
+
+
+def test_a_refined_channel_in_a_verified_pair_is_named_by_its_channel():
+    """A refined channel as the gather head of a verified pair: the claim names its channel; a second refined
+    channel that matters without a role follows the claim, outside it (the G&A claim names only pair heads)."""
+    summary = _refined(_summary(gathers=("L0S32",), aggregates=("L3S29",), decoys=(), others=("L1S32", "L0S9"),
+                                clean_pairs=(("L0S32", "L3S29"),)), MAMBA1_LEAVES)
+    tv = decide(summary, [_ssm_row((0, 32), (3, 29))]).for_task(TASK)
+    assert tv.outcome == "verified" and tv.confidence == "high"
+    assert tv.sentence == ("G&A verified: gather L0S32 (ch 72) → aggregate L3S29 (joint drop 6 [5.5, 6.5] vs control "
+                           "mean 0.1, p = 0.0244, n = 40 controls, controls from ±1 layer). Refined channels that "
+                           "matter without a G&A role: L1S32 (ch 195, drop 1.19).")
+    claim = re.split(r"Refined channels|Decoys", tv.sentence)[0]
+    assert set(re.findall(r"\bL\d+[HS]\d+\b", claim)) == {"L0S32", "L3S29"}
+    assert "confirms L0S32 (ch 72) → L3S29" in tv.reason
+    # ga_like: the role list names the channel too
+    tv = decide(summary, [_ssm_row((0, 32), (3, 29), p=0.3)]).for_task(TASK)
+    assert tv.outcome == "ga_like" and tv.sentence.startswith("G&A-like heads (gather L0S32 (ch 72); aggregate L3S29)")
+
+
+def test_without_the_evidence_stage_the_refined_channels_whose_drop_counts_are_named():
+    """No evidence stage: the leaves whose drop reaches the refinement's threshold (10% of clean 8.82 = 0.882,
+    interval above 0) are named; L0S33 (0.406) is not."""
+    bare = _refined({"tasks": {TASK: {"clean": {"logit_diff": 8.82, "acc": 1.0}}}}, MAMBA1_LEAVES)
+    tv = decide(bare, [_ssm_row((0, 9), (3, 29), roles=(None, None), p=0.3, p_gather=0.1, p_aggregate=0.3)]).for_task(TASK)
+    assert tv.outcome == "none" and tv.channels == ("L1S32 (ch 195)", "L0S32 (ch 72)")
+    assert tv.sentence.endswith("the evidence stage did not run. Refined channels that carry the task: "
+                                "L1S32 (ch 195, drop 1.19), L0S32 (ch 72, drop 0.907).")
+    tv = decide(bare, []).for_task(TASK)
+    assert tv.outcome == "not_scored" and tv.sentence.endswith("Refined channels that matter: L1S32 (ch 195, drop "
+                                                               "1.19), L0S32 (ch 72, drop 0.907).")

@@ -242,7 +242,7 @@ def summary_fields(ref: Refinement, engine: AblationEngine, settings: RefineSett
     for h, i in zip(ref.leaves, ref.leaf_nodes):
         n = ref.nodes[i]
         leaves.append({"head": (names or {}).get(h, str(h)), "layer": h.layer, "index": h.index,
-                       "channel_start": n.start, "channel_end": n.end, "kind": n.outcome, "drop": n.drop,
+                       "channel_start": n.start, "channel_end": n.end, "level": n.level, "kind": n.outcome, "drop": n.drop,
                        "drop_lo": n.drop_lo, "drop_hi": n.drop_hi})
     return {
         "status": "done", "effect": settings.effect, "carry": settings.carry, "scope": list(settings.scope),

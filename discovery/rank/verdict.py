@@ -53,15 +53,26 @@ gather head with each head's own ablation mattering (its clean pair), else ``med
 ``ga_like``: ``low``; ``none``: ``high`` when the model does not do the task, ``medium`` when the
 evidence stage found no G&A role, ``low`` without the evidence stage; ``not_scored``: ``none``.
 
+8. Refined Mamba-1 channels (``summary["tasks"][task]["refinement"]["leaves"]`` below group level): every
+   one the sentence names carries its channels, in the report tables' wording (``L1S32 (ch 195)``), and
+   those that matter without a G&A role (by the evidence stage, ``other_important``; without the stage,
+   a leaf whose drop counts by the refinement's own threshold) are named, largest drop first, with their
+   drops in a sentence of every outcome before the decoys: "Refined channels that matter without a G&A
+   role: …" ("… that carry the task …" under ``none``). The group names alone (``L1S24``) would hide which
+   channel the evidence found, and the refined heads' numbers (``L1S32``) are only inventory slots.
+   They are listed in ``channels``; none is a G&A claim.
+
 The evidence stage's own label (``summary["evidence"][task]["verdict"]``: clean / distributed / none)
 is an input here (its roles, reads and clean scores), never a verdict to print.
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from discovery.heads import channel_label
 
 OUTCOMES = ("verified", "ga_like", "none", "not_scored")
 PAIR_STATUSES = ("verified", "not_significant", "not_testable")
@@ -137,6 +148,7 @@ class TaskVerdict:
     gather_heads: tuple[str, ...] = ()  # by the evidence standards
     aggregate_heads: tuple[str, ...] = ()
     decoys: tuple[str, ...] = ()
+    channels: tuple[str, ...] = ()  # rule 8: the refined channels named as mattering, labelled (L1S32 (ch 195))
 
     @property
     def verified_pairs(self) -> tuple[PairCall, ...]:
@@ -173,7 +185,8 @@ class Verdict:
                           for p in t.get("pairs") or [])
             tasks.append(TaskVerdict(**{**t, "pairs": pairs, "gather_heads": tuple(t.get("gather_heads") or ()),
                                         "aggregate_heads": tuple(t.get("aggregate_heads") or ()),
-                                        "decoys": tuple(t.get("decoys") or ())}))
+                                        "decoys": tuple(t.get("decoys") or ()),
+                                        "channels": tuple(t.get("channels") or ())}))
         return cls(tuple(tasks))
 
 
@@ -247,8 +260,54 @@ def _pair_numbers(p: PairCall) -> str:
             f"{_g(p.control_mean_drop)}, p = {_g(p.p_value)}, n = {p.control_n} controls{where}")
 
 
-def _pair_text(p: PairCall) -> str:
-    return f"gather {p.gather.name} → aggregate {p.aggregate.name} ({_pair_numbers(p)})"
+def _pair_text(p: PairCall, label: Callable[[str], str] = str) -> str:
+    return f"gather {label(p.gather.name)} → aggregate {label(p.aggregate.name)} ({_pair_numbers(p)})"
+
+
+@dataclass(frozen=True)
+class _Channels:
+    """Rule 8: a task's refined Mamba-1 channel heads (name -> channel span and drop) and which of them count."""
+
+    spans: dict[str, tuple[int, int]]
+    drops: dict[str, float | None]
+    counting: tuple[str, ...]  # leaves whose drop counts by the refinement's own threshold
+
+    def label(self, name: str, note: str = "") -> str:
+        """``name`` with its channels when it is a refined channel head (``L1S32 (ch 195)``)."""
+        start, end = self.spans.get(name, (None, None))
+        return channel_label(name, start, end, note)
+
+    def labelled(self, names: Sequence[str]) -> str:
+        return ", ".join(self.label(n) for n in names)
+
+    def mattering(self, ev: Mapping[str, Any] | None) -> tuple[str, ...]:
+        """The refined channels that matter without a G&A role, largest drop first: the evidence stage's
+        ``other_important`` ones, or (without the stage) those whose drop counts."""
+        names = [str(h) for h in ev.get("other_important") or ()] if ev is not None else list(self.counting)
+        return tuple(sorted((n for n in names if n in self.spans), key=lambda n: -(self.drops.get(n) or 0.0)))
+
+    def sentence(self, names: Sequence[str], outcome: str, evidence: bool) -> str:
+        """Rule 8's sentence (empty without such channels)."""
+        if not names:
+            return ""
+        lead = "carry the task" if outcome == "none" else "matter"
+        items = ", ".join(self.label(n, f", drop {_g(self.drops.get(n))}") for n in names)
+        return f" Refined channels that {lead}{' without a G&A role' if evidence else ''}: {items}."
+
+
+def _refined_channels(summary: Mapping[str, Any], task: str) -> _Channels:
+    """Rule 8's input: the leaves of the task's refinement record below group level (a whole group left as
+    a redundant set is a group head, not a refined one)."""
+    info = (summary.get("tasks") or {}).get(task) or {}
+    record = info.get("refinement") or {}
+    leaves = [leaf for leaf in record.get("leaves") or () if _num(leaf.get("level")) != 0  # older records: no level
+              and leaf.get("channel_start") is not None and leaf.get("channel_end") is not None]
+    clean, effect = _num((info.get("clean") or {}).get("logit_diff")), _num(record.get("effect"))
+    threshold = None if clean is None or effect is None else effect * abs(clean)
+    counting = tuple(str(leaf["head"]) for leaf in leaves if threshold is not None
+                     and (_num(leaf.get("drop")) or 0.0) >= threshold and (_num(leaf.get("drop_lo")) or 0.0) > 0)
+    return _Channels({str(leaf["head"]): (int(leaf["channel_start"]), int(leaf["channel_end"])) for leaf in leaves},
+                     {str(leaf["head"]): _num(leaf.get("drop")) for leaf in leaves}, counting)
 
 
 def _task_done(ev: Mapping[str, Any] | None, clean: Mapping[str, Any]) -> bool | None:
@@ -300,49 +359,54 @@ def _decide_task(task: str, summary: Mapping[str, Any], rows: list[Mapping[str, 
     gathers = tuple(str(h) for h in (ev or {}).get("gather_heads") or ())
     aggregates = tuple(str(h) for h in (ev or {}).get("aggregate_heads") or ())
     decoys = tuple(str(h) for h in (ev or {}).get("decoys") or ())
-    base = dict(task=task, pairs=tuple(tested), gather_heads=gathers, aggregate_heads=aggregates, decoys=decoys)
-    shown = ", ".join(decoys[:MAX_NAMED_DECOYS]) + (f" and {len(decoys) - MAX_NAMED_DECOYS} more"
-                                                     if len(decoys) > MAX_NAMED_DECOYS else "")
+    refined = _refined_channels(summary, task)
+    lab, channels = refined.label, refined.mattering(ev)
+    base = dict(task=task, pairs=tuple(tested), gather_heads=gathers, aggregate_heads=aggregates, decoys=decoys,
+                channels=tuple(lab(n) for n in channels))
+    shown = refined.labelled(decoys[:MAX_NAMED_DECOYS]) + (f" and {len(decoys) - MAX_NAMED_DECOYS} more"
+                                                           if len(decoys) > MAX_NAMED_DECOYS else "")
     decoy_text = f" Decoys (G&A-like pattern, no effect): {shown}." if decoys else ""
+
+    def verdict(outcome: str, claim: str, confidence: str, reason: str) -> TaskVerdict:
+        """The task's verdict: its claim, then rule 8's refined channels, then rule 7's decoys."""
+        sentence = claim + refined.sentence(channels, outcome, ev is not None) + decoy_text
+        return TaskVerdict(outcome=outcome, sentence=sentence, confidence=confidence, reason=reason, **base)
 
     # rule 3
     ablation = (summary.get("options") or {}).get("ablation")
     if ablation == "none" or (ev is None and not tested):
         why = ("the scan ran no ablation (--ablation none)" if ablation == "none"
                else "neither the evidence stage nor a pair's joint ablation ran for this task")
-        return TaskVerdict(outcome="not_scored", sentence=f"Not scored: {why}, so nothing can be decided about G&A.",
-                           confidence="none", reason=f"not_scored (rule 3): {why}", **base)
+        return verdict("not_scored", f"Not scored: {why}, so nothing can be decided about G&A.", "none",
+                       f"not_scored (rule 3): {why}")
     # rule 4
     done = _task_done(ev, clean)
     if done is False:
         acc, chance, ld = _num(clean.get("acc")), _num(clean.get("chance")), _num(clean.get("logit_diff"))
         scores = f"clean accuracy {_g(acc)}" + (f" vs chance {_g(chance)}" if chance is not None else "") \
             + f", logit difference {_g(ld)}"
-        return TaskVerdict(outcome="none", sentence=f"No G&A here: the model does not do the task ({scores})."
-                           + decoy_text, confidence="high",
-                           reason=f"none (rule 4): the task is not done ({scores}), so no head can carry it", **base)
+        return verdict("none", f"No G&A here: the model does not do the task ({scores}).", "high",
+                       f"none (rule 4): the task is not done ({scores}), so no head can carry it")
     beats = [p for p in tested if p.status == "verified"]
-    important = (f" ({beats[0].gather.name} → {beats[0].aggregate.name} beats the controls, but as important "
-                 "heads, not G&A heads)") if beats and not beats[0].ga_roles else ""
+    important = (f" ({lab(beats[0].gather.name)} → {lab(beats[0].aggregate.name)} beats the controls, but as "
+                 "important heads, not G&A heads)") if beats and not beats[0].ga_roles else ""
     if ev is not None and not gathers and not aggregates:
         others = [str(h) for h in ev.get("other_important") or ()]
-        carried = f"; important heads without a G&A role: {', '.join(others)}" if others else ""
-        return TaskVerdict(outcome="none", sentence="No G&A here: no head has a gather or aggregate role by the "
-                           f"evidence standards{important}." + decoy_text, confidence="medium",
-                           reason=f"none (rule 4): the evidence stage gave no head a G&A role{carried}", **base)
+        carried = f"; important heads without a G&A role: {refined.labelled(others)}" if others else ""
+        return verdict("none", "No G&A here: no head has a gather or aggregate role by the evidence standards"
+                       f"{important}.", "medium", f"none (rule 4): the evidence stage gave no head a G&A role{carried}")
     if ev is None:
         like = [p for p in tested if (p.p_gather or 0.0) >= CONFIDENT_P and (p.p_aggregate or 0.0) >= CONFIDENT_P]
         if not like:
-            return TaskVerdict(outcome="none", sentence="No G&A here: no tested pair's heads look like G&A heads "
-                               f"(classifier P < {CONFIDENT_P:g}); the evidence stage did not run{important}.",
-                               confidence="low", reason="none (rule 4): no evidence stage, and no tested pair with "
-                               f"P(gather) and P(aggregate) >= {CONFIDENT_P:g}", **base)
+            return verdict("none", "No G&A here: no tested pair's heads look like G&A heads (classifier P < "
+                           f"{CONFIDENT_P:g}); the evidence stage did not run{important}.", "low",
+                           "none (rule 4): no evidence stage, and no tested pair with P(gather) and P(aggregate) >= "
+                           f"{CONFIDENT_P:g}")
         best = like[0]
-        return TaskVerdict(outcome="ga_like", sentence=f"G&A-like heads by the classifier (gather {best.gather.name}, "
-                           f"aggregate {best.aggregate.name}), but not verified: the evidence stage did not run, so "
-                           f"no role is confirmed ({_pair_numbers(best)}).", confidence="low",
-                           reason="ga_like (rule 6): without the evidence stage no pair can be verified (rule 2)",
-                           **base)
+        return verdict("ga_like", f"G&A-like heads by the classifier (gather {lab(best.gather.name)}, aggregate "
+                       f"{lab(best.aggregate.name)}), but not verified: the evidence stage did not run, so no role is "
+                       f"confirmed ({_pair_numbers(best)}).", "low",
+                       "ga_like (rule 6): without the evidence stage no pair can be verified (rule 2)")
     # rule 5
     verified = [p for p in tested if p.status == "verified" and p.ga_roles]
     if verified:
@@ -350,23 +414,24 @@ def _decide_task(task: str, summary: Mapping[str, Any], rows: list[Mapping[str, 
                        if isinstance(p, Mapping) and p.get("single_head_evidence")}
         high = [p for p in verified if (p.gather.name, p.aggregate.name) in clean_pairs]
         confidence = "high" if high else "medium"
-        rule = (f"the evidence stage's read test also confirms {high[0].gather.name} → {high[0].aggregate.name}"
-                if high else "the evidence stage's read test did not confirm a verified pair as a clean pair")
-        return TaskVerdict(outcome="verified", sentence="G&A verified: " + "; ".join(_pair_text(p) for p in verified)
-                           + "." + decoy_text, confidence=confidence,
-                           reason=f"verified (rule 5): {len(verified)} pair(s) with both G&A roles and p <= {ALPHA:g} "
-                                  f"against >= {MIN_CONTROLS} controls, interval clear of the controls; "
-                                  f"{confidence}: {rule}", **base)
+        rule = (f"the evidence stage's read test also confirms {lab(high[0].gather.name)} → "
+                f"{lab(high[0].aggregate.name)}" if high
+                else "the evidence stage's read test did not confirm a verified pair as a clean pair")
+        return verdict("verified", "G&A verified: " + "; ".join(_pair_text(p, lab) for p in verified) + ".",
+                       confidence, f"verified (rule 5): {len(verified)} pair(s) with both G&A roles and p <= "
+                       f"{ALPHA:g} against >= {MIN_CONTROLS} controls, interval clear of the controls; "
+                       f"{confidence}: {rule}")
     # rule 6
-    roles = "; ".join(x for x in (f"gather {', '.join(gathers)}" if gathers else "",
-                                  f"aggregate {', '.join(aggregates)}" if aggregates else "") if x)
+    roles = "; ".join(x for x in (f"gather {refined.labelled(gathers)}" if gathers else "",
+                                  f"aggregate {refined.labelled(aggregates)}" if aggregates else "") if x)
     ga_pairs = [p for p in tested if p.ga_roles]
     if any(p.status == "not_significant" for p in ga_pairs):
         best = next(p for p in ga_pairs if p.status == "not_significant")
-        tail, why = f"but no pair of them beats the controls (best: {_pair_text(best)})", "no G&A pair beats the controls"
+        tail = f"but no pair of them beats the controls (best: {_pair_text(best, lab)})"
+        why = "no G&A pair beats the controls"
     elif ga_pairs:
         best = ga_pairs[0]
-        tail = (f"but not testable: gather {best.gather.name} → aggregate {best.aggregate.name} has "
+        tail = (f"but not testable: gather {lab(best.gather.name)} → aggregate {lab(best.aggregate.name)} has "
                 f"{best.control_n} control pairs ({MIN_CONTROLS} needed for p <= {ALPHA:g})")
         why = "no G&A pair could be tested against enough controls"
     elif tested:
@@ -374,9 +439,8 @@ def _decide_task(task: str, summary: Mapping[str, Any], rows: list[Mapping[str, 
         why = "no tested pair has both G&A roles"
     else:
         tail, why = "but no pair was tested by joint ablation", "no pair was tested"
-    return TaskVerdict(outcome="ga_like", sentence=f"G&A-like heads ({roles}), {tail}." + decoy_text,
-                       confidence="low", reason=f"ga_like (rule 6): roles by the evidence standards, but {why}",
-                       **base)
+    return verdict("ga_like", f"G&A-like heads ({roles}), {tail}.", "low",
+                   f"ga_like (rule 6): roles by the evidence standards, but {why}")
 
 
 def decide(summary: Mapping[str, Any], pairs: Sequence[Mapping[str, Any]] | None = None) -> Verdict:

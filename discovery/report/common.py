@@ -23,6 +23,7 @@ import polars as pl
 
 from discovery.artifacts import Scan, with_evidence
 from discovery.errors import GascanError
+from discovery.heads import channel_label
 from discovery.rank.verdict import drop
 
 # ---------------------------------------------------------------------------------------------
@@ -72,11 +73,8 @@ def head_name(layer: int, head: int, kind: str) -> str:
 def head_label(row: Mapping[str, Any]) -> str:
     """A head table row's name, with its channels when it is a refined Mamba-1 channel head:
     ``L1S32 (ch 42)``, ``L1S33 (ch 48-55)``."""
-    name = head_name(row["layer"], row["head"], row["kind"])
-    start, end = row.get("channel_start"), row.get("channel_end")
-    if start is None or end is None:
-        return name
-    return f"{name} (ch {start})" if end - start == 1 else f"{name} (ch {start}-{end - 1})"
+    return channel_label(head_name(row["layer"], row["head"], row["kind"]), row.get("channel_start"),
+                         row.get("channel_end"))
 
 
 _HEAD_NAME = re.compile(r"^L(\d+)([HS])(\d+)$")

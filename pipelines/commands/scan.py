@@ -155,7 +155,9 @@ def refinement_line(ref: dict[str, Any] | None) -> str:
         return ""
     if ref.get("status") != "done":
         return f"channel refinement skipped: {ref.get('reason')}"
-    leaves = ", ".join(f"{x['head']} (channels {x['channel_start']}:{x['channel_end']})" for x in ref["leaves"])
+    from discovery.heads import channel_label
+
+    leaves = ", ".join(channel_label(x["head"], x["channel_start"], x["channel_end"]) for x in ref["leaves"])
     return (f"channel refinement: {ref['groups_refined']} groups -> {len(ref['leaves'])} heads "
             f"({leaves or 'none'}); {ref['forward_equivalents']} forward-equivalents "
             f"(every channel alone: {ref['channel_sweep_forward_equivalents']})")
