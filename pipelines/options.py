@@ -10,8 +10,9 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from discovery.errors import GascanError
+from discovery.evidence.budget import MIN_BUDGET, all_position_sweep_fe
 
-ABLATION_MODES = ("exact", "query", "atp", "screened", "none")
+ABLATION_MODES = ("auto", "exact", "query", "atp", "screened", "none")
 TABLE_VERSION = 1  # the head table's layout; part of every batch shard key
 
 
@@ -21,8 +22,9 @@ class ScanOptions:
 
     tasks: list[str] = field(default_factory=lambda: ["mc"])
     task_options: dict[str, dict[str, Any]] = field(default_factory=dict)
-    ablation: str = "exact"  # exact: all-position + query sweeps; query; atp: screen only; screened: the
-    # default screen, then the all-position sweep on its top-k (discovery.measure.recall.DEFAULT_SCREEN); none
+    ablation: str = "auto"  # exact: all-position + query sweeps; query; atp: screen only; screened: the
+    # default screen, then the all-position sweep on its top-k (discovery.measure.recall.DEFAULT_SCREEN); none;
+    # auto: screened for large models, exact otherwise (resolve_ablation)
     prompts: int = 64
     seed: int = 0
     max_memory_mb: float | None = None  # execution setting: memory budget of batched ablation rows
@@ -53,6 +55,19 @@ class ScanOptions:
     def setting_names(cls) -> tuple[str, ...]:
         """The fields a batch spec's ``[scan]`` table may set (tasks and their options live elsewhere)."""
         return tuple(f.name for f in fields(cls) if f.name not in ("tasks", "task_options"))
+
+
+def resolve_ablation(mode: str, head_layers: list[int], n_layers: int, *, sharded: bool) -> str:
+    """The sweep ``auto`` stands for: ``screened`` when the exact all-position sweep of every head would
+    cost more than half the evidence budget's floor (:data:`~discovery.evidence.budget.MIN_BUDGET`, so more
+    than ~200 heads: SmolLM2-135M's 270 heads, 140 fe; an 8B model's 1024), ``exact`` otherwise (the bundled
+    toys, Gemma3-270M's 72 heads, 38 fe) and in a layer-range shard, which cannot screen the whole model.
+    Any other mode is returned as given. On SmolLM2 (kv named, 16 prompts) the screened scan gave the exact
+    scan's verdict for 205 instead of 348 forward-equivalents (docs/scale.md)."""
+    if mode != "auto":
+        return mode
+    large = all_position_sweep_fe(head_layers, n_layers) > MIN_BUDGET / 2
+    return "screened" if large and not sharded else "exact"
 
 
 @dataclass(frozen=True)

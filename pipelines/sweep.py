@@ -7,6 +7,7 @@ the tables afterwards; :mod:`pipelines.pipeline` puts this stage first.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,7 +24,7 @@ from discovery.model.loading import LoadedModel
 from discovery.stats import bootstrap_ci
 from discovery.tasks import build_task
 from discovery.tasks.base import AnnotatedBatch, annotate
-from pipelines.options import TABLE_VERSION, ScanOptions
+from pipelines.options import TABLE_VERSION, ScanOptions, resolve_ablation
 
 EFFECT_METRICS = {"logit_diff": "ld", "acc": "acc", "gold_logprob": "lp"}
 # ablation mode -> the single-head sweeps it runs: (scope name, position classes)
@@ -86,9 +87,12 @@ def scan_task(lm: LoadedModel, task_spec: str, options: ScanOptions, *, layers: 
     The summary's ``forward_flops`` is the matmul FLOPs of one clean forward over the task's prompts (the
     unit of forward-equivalents) and ``parts`` the cost of each part: clean forward, patterns (with direct
     logit attribution), each ablation sweep, the attribution screen, the Mamba-1 channel refinement."""
+    inv = lm.inventory
+    requested = options.ablation
+    options = replace(options, ablation=resolve_ablation(requested, [h.layer for h in inv.heads()], inv.n_layers,
+                                                         sharded=layers is not None))
     with Meter() as total:
         batch = task_batch(lm, task_spec, options.options_for(task_spec))
-        inv = lm.inventory
         wanted = set(range(inv.n_layers) if layers is None else layers)
         groups = [g for g in inv.groups if g.layer in wanted]
         heads = [h for g in groups for h in g.heads()]
@@ -165,7 +169,8 @@ def scan_task(lm: LoadedModel, task_spec: str, options: ScanOptions, *, layers: 
         frame = pl.DataFrame(rows, infer_schema_length=None).with_columns(
             pl.col("channel_start", "channel_end", "parent_head").cast(pl.Int64))
     unit = parts["clean"].flops
-    summary = {"task": task_spec, "options": options.options_for(task_spec), "n_prompts": len(batch),
+    summary = {"task": task_spec, "options": options.options_for(task_spec), "ablation": options.ablation,
+               "ablation_requested": requested, "n_prompts": len(batch),
                "clean": clean, "seconds": round(total.cost.wall_s, 2), "screen": screened,
                "layer_rows": sweep_rows, "attribution": screen, "refinement": refinement, "forward_flops": unit,
                "cost": total.cost.record(unit), "parts": {k: c.record(unit) for k, c in parts.items()}}

@@ -129,3 +129,22 @@ def unbounded_copy(scan: Path, to: Path) -> Path:
     summary["options"]["budget"] = "none"
     (to / "summary.json").write_text(json.dumps(summary))
     return to
+
+
+def test_auto_ablation_screens_large_models_only():
+    """``--ablation auto``: screened where the exact all-position sweep alone would cost over half the evidence
+    floor (SmolLM2-135M's 270 heads: 139.5 fe), exact for small models (Gemma3-270M's 72 heads: 38 fe; the
+    mc-mamba1 toy's 128 groups: 80 fe) and in a layer-range shard; other modes pass through."""
+    from pipelines.options import resolve_ablation
+
+    smollm2 = [layer for layer in range(30) for _ in range(9)]
+    gemma = [layer for layer in range(18) for _ in range(4)]
+    mamba1_toy = [layer for layer in range(4) for _ in range(32)]
+    assert all_position_sweep_fe(smollm2, 30) == pytest.approx(139.5)
+    assert resolve_ablation("auto", smollm2, 30, sharded=False) == "screened"
+    assert resolve_ablation("auto", smollm2, 30, sharded=True) == "exact"
+    assert all_position_sweep_fe(gemma, 18) == pytest.approx(38.0)
+    assert resolve_ablation("auto", gemma, 18, sharded=False) == "exact"
+    assert all_position_sweep_fe(mamba1_toy, 4) == pytest.approx(80.0)
+    assert resolve_ablation("auto", mamba1_toy, 4, sharded=False) == "exact"
+    assert resolve_ablation("query", smollm2, 30, sharded=False) == "query"

@@ -96,11 +96,12 @@ def test_other_options_are_refused_and_force_starts_over(reference):
     out, stale, refused = reference
     assert refused.returncode == 6  # OutputError: the output path
     lines = [line for line in refused.stderr.splitlines() if line.strip()]
-    assert lines == [(f'gascan: error: --out {out} holds a scan with ablation "none", not "exact". Fix: pass '
+    assert lines == [(f'gascan: error: --out {out} holds a scan with ablation "none", not "auto". Fix: pass '
                       "--force to start over, or choose another --out")]
     new = summary(out)
     assert new["fingerprint"]["key"] != stale["fingerprint"]["key"]
-    assert new["options"]["ablation"] == "exact" and new["tasks"]["mc"]["n_prompts"] == int(PROMPTS)
+    assert new["options"]["ablation"] == "auto" and new["tasks"]["mc"]["n_prompts"] == int(PROMPTS)
+    assert new["tasks"]["mc"]["ablation"] == "exact"  # auto on a 16-head toy: the exact sweep
     runs = {s["run"] for s in new["stages"].values()}
     assert len(runs) == 1 and stale["stages"]["sweep"]["run"] not in runs  # every stage ran again, in one run
 

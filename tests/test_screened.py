@@ -50,3 +50,22 @@ def test_screened_sweep_keeps_the_exact_top_heads_for_less(monkeypatch):
     assert f"top {k} heads" in sentence and f"all {n_heads} heads" in sentence
     assert f"the other {n_heads - k} heads have no exact all-position drop" in sentence
     assert f"On the {k} swept heads" in sentence and "k is below (the screen may miss heads) the largest k, 23, the screen needed on the 9 measured runs" in sentence
+
+
+def test_the_first_screen_says_grey_cells_were_not_swept(tmp_path):
+    """A screened scan's effect map has null cells for the heads the screen did not send to the exact sweep;
+    its caption says so (with k of n), and an exact scan's caption does not."""
+    import json
+
+    from discovery.artifacts import read_scan
+    from discovery.report.first_screen import screened_note
+    from tests.synthetic import write_synthetic_scan
+
+    out = write_synthetic_scan(tmp_path / "scan")
+    assert screened_note(read_scan(out)) == ""
+    summary = json.loads((out / "summary.json").read_text())
+    task = next(iter(summary["tasks"]))
+    summary["tasks"][task]["screen"] = {"k": 30, "n_heads": 270, "heads": ["L0H0"]}
+    (out / "summary.json").write_text(json.dumps(summary))
+    note = screened_note(read_scan(out))
+    assert "Grey: not swept at all positions" in note and "30 of 270 heads" in note

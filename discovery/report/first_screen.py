@@ -174,6 +174,19 @@ def ranked_table(scan: Scan, heads: pl.DataFrame, verdict: Verdict | None, k: in
     return Table(columns, body, element_id="ranked"), note
 
 
+def screened_note(scan: Scan) -> str:
+    """The map's note for a screened sweep: its grey cells were not swept exactly, not "no effect"."""
+    notes = []
+    for task in scan.tasks:
+        record = ((scan.summary.get("tasks") or {}).get(task) or {}).get("screen") or {}
+        if record.get("k") is not None and record.get("n_heads") is not None:
+            notes.append(f"{record['k']} of {record['n_heads']} heads" + (f" ({task})" if len(scan.tasks) > 1 else ""))
+    if not notes:
+        return ""
+    return (f" Grey: not swept at all positions; the attribution screen chose which heads were ({', '.join(notes)};"
+            " appendix, Heads with the largest effects).")
+
+
 def build_first_screen(scan: Scan, heads: pl.DataFrame, n_layers: int) -> tuple[FirstScreen, Verdict | None]:
     verdict, note = scan_verdict(scan)
     screen = FirstScreen(f"gascan report: {scan.summary.get('model', '?')}", facts_line(scan), note=note,
@@ -189,7 +202,7 @@ def build_first_screen(scan: Scan, heads: pl.DataFrame, n_layers: int) -> tuple[
                                         f"the head helps). G / A: {source} gather and aggregate heads."
                                         + (" Mamba-1 groups refined to channels: c, or G* / A* when a refined "
                                            "channel head of that group has the role (the ranked heads name its "
-                                           "channels)." if refined_parents(heads) else "")),
+                                           "channels)." if refined_parents(heads) else "") + screened_note(scan)),
                                element_id="effect-map")
     else:
         screen.figure_note = "No effect map: this scan ran no ablation."

@@ -26,7 +26,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_task_arguments(parser)
     parser.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default: {DEFAULT_OUT})")
     parser.add_argument("--ablation", choices=ABLATION_MODES, default=_DEFAULTS.ablation,
-                        help="exact: all-position and query-position single-head sweeps (default); "
+                        help="auto (default): screened for a model whose exact all-position sweep would cost over "
+                        "100 forward-equivalents (about 200 heads or more), exact otherwise; "
+                        "exact: all-position and query-position single-head sweeps; "
                         "query: query position only; atp: attribution screen only; screened: the default screen over every "
                         "head, then the exact all-position sweep on its top-k only (the other heads' all-position "
                         "columns null; summary.json records the screen, k and its agreement); none: patterns only")
