@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -40,11 +41,17 @@ def scan_args(out: Path, *extra: str, prompts: str = PROMPTS) -> list[str]:
 
 
 def in_process(args: list[str], monkeypatch, stop: str | None = None) -> int:
+    """``gascan`` in this process, with Python's own SIGINT handler (KeyboardInterrupt) whatever an earlier
+    test in this worker left installed (once, on CI, a SIGINT stop here ran to the end and exited 0)."""
     if stop:
         monkeypatch.setenv(TEST_HOOK, stop)
     else:
         monkeypatch.delenv(TEST_HOOK, raising=False)
-    return main(args)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return main(args)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def subprocess_scan(args: list[str], stop: str | None = None) -> subprocess.CompletedProcess:
