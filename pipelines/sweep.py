@@ -7,8 +7,8 @@ the tables afterwards; :mod:`pipelines.pipeline` puts this stage first.
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import polars as pl
