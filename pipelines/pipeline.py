@@ -199,12 +199,9 @@ def finish(lm: LoadedModel | None, out: str | Path, *, start: str = "evidence", 
     if "pairs" in todo:
         with _stage("pairs") as meter:
             if scored:
-                if progress:
-                    progress("pairs (ranking, joint ablation)", 0, 1)
-                pairs, fields = scan_pairs(lm, scan.heads, scan.summary, evidence=scan.evidence, budget=budget)
+                pairs, fields = scan_pairs(lm, scan.heads, scan.summary, evidence=scan.evidence, budget=budget,
+                                           progress=progress)
                 write_pairs(out, pairs, fields)
-                if progress:
-                    progress("pairs (ranking, joint ablation)", 1, 1)
         commit("pairs", [PAIRS_FILE] if scored else [], meter.cost, skipped=not scored)
     if "verdict" in todo:
         with _stage("verdict") as meter:

@@ -61,7 +61,7 @@ import torch
 from discovery.errors import GascanError
 from discovery.evidence.budget import Ledger, fit, resolve_budget
 from discovery.heads import HeadId
-from discovery.measure.ablation import Ablation, AblationEngine, mediated_share
+from discovery.measure.ablation import Ablation, AblationEngine, Progress, mediated_share, stage_ticker
 from discovery.measure.metrics import selection
 from discovery.rank.classifier import attach_clean, head_features, load_classifier, spread_by_gather
 from discovery.rank.verdict import MIN_CONTROLS, is_ga_pair, verified_flag
@@ -126,14 +126,16 @@ def _relative_drop(clean: float, ablated: float) -> float | None:
 def rank_pairs(lm: Any, batch: Any, heads_frame: pl.DataFrame, k: int = 3, *, summary: Mapping[str, Any] | None = None,
                clf: Any = None, engine: AblationEngine | None = None, n_gather: int = 6, n_aggregate: int = 6,
                control_draws: int = 50, bootstrap: int = 1000, seed: int = 0,
-               task: str | None = None, ledger: Ledger | None = None) -> tuple[pl.DataFrame, dict[str, Any]]:
+               task: str | None = None, ledger: Ledger | None = None, progress: Progress | None = None
+               ) -> tuple[pl.DataFrame, dict[str, Any]]:
     """Rank candidate pairs of one task (see module docstring).
 
     Returns the pairs table (one row per candidate pair, best first, verification columns filled for the
     top ``k``) and the summary fields ``top_pairs``, ``gather_heads`` and ``aggregate_heads``. A ``ledger``
     (:class:`~discovery.evidence.budget.Ledger`) bounds the cost: fewer candidates by probability (the evidence
     stage's role heads always stay), then fewer of the top ``k`` verified (each keeps its ``control_draws``
-    controls); each head's single effect is the sweep's ``d_ld_all`` where the table has it.
+    controls); each head's single effect is the sweep's ``d_ld_all`` where the table has it. ``progress``
+    hears each step (single effects, mediation, patterns under ablation, verification) with its count.
     """
     frame = heads_frame
     if task is not None:
@@ -198,18 +200,29 @@ def rank_pairs(lm: Any, batch: Any, heads_frame: pl.DataFrame, k: int = 3, *, su
     gs = sorted({g for g, _ in candidates})
     as_ = sorted({a for _, a in candidates})
     run_singles = sorted((set(gs) | set(as_)) - set(known))
-    measured = engine.effects([Ablation((h,), label=str(h)) for h in run_singles]).logit_diff.double().mean(-1) \
-        if run_singles else torch.empty(0)
+    singles_abl = [Ablation((h,), label=str(h)) for h in run_singles]
+    measured = engine.effects(singles_abl, engine.run(singles_abl, stage_ticker(progress, "pairs: single effects",
+                                                                                len(singles_abl)))
+                              ).logit_diff.double().mean(-1) if run_singles else torch.empty(0)
     single = {**known, **{h: float(measured[i]) for i, h in enumerate(run_singles)}}
     # the mediation test: each gather head at the segments, alone and with each partner held at the query
     partners = {g: [a for g2, a in candidates if g2 == g] for g in gs}
-    mediation = {g: engine.mediation(Ablation((g,), "zero", ("segment",)), [(a,) for a in partners[g]]) for g in gs}
+    tick = stage_ticker(progress, "pairs: mediation", len(gs))
+    mediation = {}
+    for g in gs:
+        mediation[g] = engine.mediation(Ablation((g,), "zero", ("segment",)), [(a,) for a in partners[g]])
+        tick(1)
     held_cost = {(g, a): held for g in gs for a, held in zip(partners[g], mediation[g][1])}
     min_cost = MIN_MEDIATED_COST * abs(float(engine.clean.logit_diff.mean()))
     ranking_note = {"gather": len(gs), "aggregate": len(as_), "pairs": len(candidates), "fits": fits}
 
+    tick = stage_ticker(progress, "pairs: patterns under ablation", 1 + len(gs))
     clean_agg = aggregate_metrics_under(lm, batch, None, as_)
-    under = {g: aggregate_metrics_under(lm, batch, g, partners[g], engine=engine) for g in gs}
+    tick(1)
+    under = {}
+    for g in gs:
+        under[g] = aggregate_metrics_under(lm, batch, g, partners[g], engine=engine)
+        tick(1)
 
     rows = []
     for i, (g, a) in enumerate(candidates):
@@ -242,7 +255,7 @@ def rank_pairs(lm: Any, batch: Any, heads_frame: pl.DataFrame, k: int = 3, *, su
         _verify_ablations(engine, rows[:n], candidates, control_draws, seed)[0]), allowed)
     ledger.charge("pairs (verification)", allowed, cost, pairs=n_top, of=min(k, len(rows)), controls=control_draws,
                   fits=fits)
-    _verify(engine, rows[:n_top], candidates, control_draws, bootstrap, seed)
+    _verify(engine, rows[:n_top], candidates, control_draws, bootstrap, seed, progress)
     for r in rows:
         r.pop("_pair")
     table = pl.DataFrame(rows, infer_schema_length=None)
@@ -303,12 +316,13 @@ def _verify_ablations(engine: AblationEngine, rows: list[dict[str, Any]], candid
 
 
 def _verify(engine: AblationEngine, rows: list[dict[str, Any]], candidates: list[tuple[HeadId, HeadId]],
-            draws: int, bootstrap: int, seed: int) -> None:
+            draws: int, bootstrap: int, seed: int, progress: Progress | None = None) -> None:
     """Fill the joint-effect and control columns of ``rows`` (the top pairs) in place."""
     ablations, controls, distances = _verify_ablations(engine, rows, candidates, draws, seed)
     if not rows:
         return
-    effects = engine.effects(ablations)
+    tick = stage_ticker(progress, "pairs: verification (joint + controls)", len(ablations))
+    effects = engine.effects(ablations, engine.run(ablations, tick))
     joint, joint_acc = effects["logit_diff"][:len(rows)].double(), effects["acc"][:len(rows)].double()  # [pair, prompt]
     control_ld = effects["logit_diff"][len(rows):].double().mean(-1)  # [draw]
     start = 0
@@ -378,7 +392,7 @@ def merge_fields(per_task: Sequence[Mapping[str, Any]], k: int = 3) -> dict[str,
 
 def scan_pairs(lm: Any, heads: pl.DataFrame, summary: Mapping[str, Any], k: int = 3, *,
                evidence: pl.DataFrame | None = None, budget: tuple[str, float | None] = ("auto", None),
-               **kwargs: Any) -> tuple[pl.DataFrame, dict[str, Any]]:
+               progress: Progress | None = None, **kwargs: Any) -> tuple[pl.DataFrame, dict[str, Any]]:
     """Pairs for every task of a finished scan: each task's batch rebuilt as the scan built it. With the
     evidence stage's table (``evidence.parquet``), its roles steer the candidates (see :func:`rank_pairs`)."""
     from discovery.artifacts import restore_refined, with_evidence
@@ -398,7 +412,7 @@ def scan_pairs(lm: Any, heads: pl.DataFrame, summary: Mapping[str, Any], k: int 
         fe = resolve_budget(*budget, [h.layer for h in lm.inventory.heads()], lm.inventory.n_layers, info)
         ledger = Ledger.from_record(spent, fe)
         frame, f = rank_pairs(lm, batch, heads, k, summary=summary, task=task,
-                              seed=int(options.get("seed", 0)), ledger=ledger, **kwargs)
+                              seed=int(options.get("seed", 0)), ledger=ledger, progress=progress, **kwargs)
         frames.append(frame)
         fields.append(f)
         budgets[task] = ledger.record()
