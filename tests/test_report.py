@@ -224,3 +224,22 @@ def test_the_first_screen_is_short(toy_report):
     for line in roles.splitlines():
         if line.startswith("mc:") and "more; full list in evidence.parquet" in line:
             assert line.count("L") <= 45
+
+
+def test_where_it_acts_shows_the_gather_heads_segment_drop_and_which_model_showed_it():
+    """Gemma3-270M's verdict gather L5H3 helps when ablated everywhere (drop -0.17) yet carries the task at
+    its segments in the minimal model (+1.03 of a clean 6.08): the first screen shows that drop, not a dash."""
+    from discovery.report.first_screen import _unbroken, acts_at
+
+    gather = {"where": "none", "mm_where": "segments", "d_ld_segment": 0.03, "d_ld_segment_lo": -0.08,
+              "d_ld_segment_hi": 0.15, "mm_d_ld_segment": -1.03, "mm_d_ld_segment_lo": -1.67,
+              "mm_d_ld_segment_hi": -0.39}
+    assert acts_at(gather, "gather") == "segments +1.03 [+0.39, +1.67] †"
+    aggregate = {"where": "query", "mm_where": "query", "d_ld_query": -1.32, "d_ld_query_lo": -1.61,
+                 "d_ld_query_hi": -1.03, "mm_d_ld_query": -19.3}
+    assert acts_at(aggregate, "aggregate") == "query +1.32 [+1.03, +1.61]"  # the full model's, when it shows it
+    assert acts_at({"where": "elsewhere", "mm_where": None}, "other_important") == "–"
+    assert acts_at({"where": "summary tokens", "d_ld_summary": -0.2}, None) == "summary tokens +0.20"
+    # in the narrow first-screen column a cell wraps only before its interval or between scope words
+    assert _unbroken("summary tokens +1.18 [+0.67, +1.76]") == "summary tokens\u00a0+1.18 [+0.67,\u00a0+1.76]"
+    assert _unbroken("–") == "–"

@@ -143,6 +143,53 @@ def _pattern_metric(r: Mapping[str, Any], role: str | None) -> str:
     return f"select {fmt(a, 2)}" if a is not None else "–"
 
 
+_SCOPE_OF_WHERE = {"query": "query", "segments": "segment", "summary tokens": "summary"}
+_SCOPE_WORDS = {"query": "query", "segment": "segments", "summary": "summary tokens"}
+
+
+def acts_at(r: Mapping[str, Any], role: str | None) -> str:
+    """The drop at the positions where the head acts: a gather head at its segments, an aggregate head at
+    the query, any other head where the evidence stage placed its drop (``where``, else ``mm_where``,
+    marked "†": the truncated model of the evidence stage). A gather head can hurt the task when ablated everywhere and still carry it
+    at the segments, so the first screen shows both."""
+    scope = {"gather": "segment", "aggregate": "query"}.get(role or "")
+    full, minimal = _SCOPE_OF_WHERE.get(r.get("where") or ""), _SCOPE_OF_WHERE.get(r.get("mm_where") or "")
+    scope = scope or full or minimal
+    if scope is None:
+        return "–"
+    use_minimal = full != scope and minimal == scope and r.get(f"mm_d_ld_{scope}") is not None
+    column = f"mm_d_ld_{scope}" if use_minimal else f"d_ld_{scope}"
+    if r.get(column) is None:
+        return "–"
+    return f"{_SCOPE_WORDS[scope]} {drop_ci(r, column, 2)}" + (" †" if use_minimal else "")
+
+
+def _minimal_note(scan: Scan, tasks: set[str]) -> str:
+    """What "†" means for the ``tasks`` whose rows use it: the depth and clean logit difference
+    of the evidence stage's truncated model, whose drops are on that scale."""
+    parts = []
+    for task in sorted(tasks):
+        record = ((scan.summary.get("evidence") or {}).get(task) or {}).get("minimal_model") or {}
+        ld = (record.get("clean") or {}).get("logit_diff")
+        if record.get("depth") is not None and ld is not None:
+            parts.append(f"{record['depth']} of {record.get('n_layers', '?')} layers, clean logit difference "
+                         f"{signed(ld, 2)}" + (f" ({task})" if len(scan.tasks) > 1 else ""))
+    return f"; †: shown only by the truncated model ({'; '.join(parts)})" if parts else ""
+
+
+NBSP = "\u00a0"
+
+
+def _unbroken(acts: str) -> str:
+    """``acts_at``'s text for a narrow column: it may wrap only before the interval and inside the scope
+    words, never between a scope and its drop or inside the interval (no-break spaces)."""
+    scope, _, rest = acts.rpartition(" [")
+    words, _, number = scope.rpartition(" ")
+    if not (rest and words):
+        return acts
+    return words + NBSP + number + " [" + rest.replace(", ", "," + NBSP)
+
+
 def ranked_table(scan: Scan, heads: pl.DataFrame, verdict: Verdict | None, k: int = MAX_RANKED) -> tuple[Table | None, str]:
     """At most ``k`` heads by drop: every gather and aggregate head of the verdict (up to ``k``), the rest
     filled with the largest drops."""
@@ -159,17 +206,22 @@ def ranked_table(scan: Scan, heads: pl.DataFrame, verdict: Verdict | None, k: in
     rows_shown = sorted(ga + rest, key=lambda x: -x[0])
     several = len(scan.tasks) > 1
     effect = "drop in logit diff [95% CI]" + ("" if column == "d_ld_all" else " (query)")
-    columns = (["task"] if several else []) + ["head", "role (evidence)", effect, "P(gather)", "P(aggregate)",
-                                               "pattern"]
+    # "role" and "drop where it acts" stay 6th and 4th from the end: the CSS lets them wrap (render._CSS)
+    columns = (["task"] if several else []) + ["head", "role (evidence)", effect, "drop where it acts",
+                                               "P(gather)", "P(aggregate)", "pattern"]
     body = []
     for _d, _ga, r, role in rows_shown:
         body.append(([r["task"]] if several else []) + [
             head_label(r), (role or "none").replace("_", " "), drop_ci(r, column, 2),
+            _unbroken(acts_at(r, role)),
             fmt(r.get("p_gather"), 2), fmt(r.get("p_aggregate"), 2), _pattern_metric(r, role)])
     clean = ", ".join(f"{t} {signed(scan.clean(t).get('logit_diff'), 2)}" for t in scan.tasks)
+    minimal = _minimal_note(scan, {r["task"] for *_, r, role in rows_shown if acts_at(r, role).endswith("†")})
     more = len(rows) - len(body)
     note = (f"Drop = clean − ablated logit difference (positive = the head helps; clean: {clean}). The "
-            f"verdict's gather and aggregate heads and the largest drops, by drop"
+            f"verdict's gather and aggregate heads and the largest drops, by drop; where it acts: the drop "
+            f"when the head is ablated only at those positions (a gather head at its segments, an aggregate "
+            f"head at the query){minimal}"
             + (f"; {more} more heads in the appendix and heads.parquet." if more > 0 else "."))
     return Table(columns, body, element_id="ranked"), note
 

@@ -77,8 +77,9 @@ pre{white-space:pre-wrap;background:#f7f7f7;padding:0.6em;font-size:0.8em}
 background:#777} .b-verified{background:#1b7f3b} .b-ga_like{background:#b26b00} .b-none{background:#555}
 .first{display:flex;gap:18px;align-items:flex-start}
 #effect-map{flex:0 0 auto} #effect-map img{max-height:500px;max-width:560px;width:auto}
-#ranked td,#ranked th{white-space:nowrap;padding:3px 6px} #effect-map figcaption{max-width:460px}
-.ranked{flex:1;min-width:0} .note{font-size:0.78em;color:#555;margin:2px 0}
+#ranked td{white-space:nowrap;padding:3px 5px} #ranked th{padding:3px 5px}
+#ranked td:nth-last-child(4),#ranked td:nth-last-child(6){white-space:normal;min-width:5em} #effect-map figcaption{max-width:460px}
+.ranked{flex:1;min-width:0;overflow-x:auto} .note{font-size:0.78em;color:#555;margin:2px 0}
 details{border-top:1px solid #ddd;padding:4px 0} summary{cursor:pointer;font-weight:600;font-size:1.02em}
 h2{font-size:1.1em;margin:18px 0 4px}
 """
