@@ -229,7 +229,7 @@ def test_the_first_screen_is_short(toy_report):
 def test_where_it_acts_shows_the_gather_heads_segment_drop_and_which_model_showed_it():
     """Gemma3-270M's verdict gather L5H3 helps when ablated everywhere (drop -0.17) yet carries the task at
     its segments in the minimal model (+1.03 of a clean 6.08): the first screen shows that drop, not a dash."""
-    from discovery.report.first_screen import _unbroken, acts_at
+    from discovery.report.first_screen import acts_at
 
     gather = {"where": "none", "mm_where": "segments", "d_ld_segment": 0.03, "d_ld_segment_lo": -0.08,
               "d_ld_segment_hi": 0.15, "mm_d_ld_segment": -1.03, "mm_d_ld_segment_lo": -1.67,
@@ -241,5 +241,6 @@ def test_where_it_acts_shows_the_gather_heads_segment_drop_and_which_model_showe
     assert acts_at({"where": "elsewhere", "mm_where": None}, "other_important") == "–"
     assert acts_at({"where": "summary tokens", "d_ld_summary": -0.2}, None) == "summary tokens +0.20"
     # in the narrow first-screen column a cell wraps only before its interval or between scope words
-    assert _unbroken("summary tokens +1.18 [+0.67, +1.76]") == "summary tokens\u00a0+1.18 [+0.67,\u00a0+1.76]"
-    assert _unbroken("–") == "–"
+    summary = {"where": "summary tokens", "d_ld_summary": -1.18, "d_ld_summary_lo": -1.76, "d_ld_summary_hi": -0.67}
+    assert acts_at(summary, None, space="\u00a0") == "summary tokens\u00a0+1.18 [+0.67,\u00a0+1.76]"
+    assert acts_at({"where": "none"}, None, space="\u00a0") == "–"

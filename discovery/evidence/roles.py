@@ -60,15 +60,18 @@ _PLACES = {"query": "at the query", "summary tokens": "at the summary tokens", "
            "elsewhere": "spread or at other positions", "none": "no effect alone"}
 
 
+# ``where`` names of the positions a drop can live at -> the scope of their ``d_ld_{scope}`` columns
+WHERE_SCOPES = {"query": "query", "summary tokens": "summary", "segments": "segment"}
+
+
 def _where(row: Mapping[str, Any], th: EvidenceThresholds, ref: float, prefix: str = "") -> str:
     """Where a head's all-position drop lives: query, summary tokens, segments, elsewhere, or none (a drop
     under ``noise`` of ``ref``, the clean logit difference)."""
     total = _num(row.get(f"{prefix}d_ld_all"))
     if total is None or ref <= 0 or -total < th.noise * ref:
         return "none"
-    shares = {name: (_num(row.get(f"{prefix}d_ld_{scope}")) or 0.0) / total
-              for name, scope in (("query", "query"), ("summary tokens", "summary"), ("segments", "segment"))}
-    for name in ("query", "summary tokens", "segments"):
+    shares = {name: (_num(row.get(f"{prefix}d_ld_{scope}")) or 0.0) / total for name, scope in WHERE_SCOPES.items()}
+    for name in WHERE_SCOPES:
         if shares[name] >= th.located:
             return name
     return "elsewhere"

@@ -179,6 +179,7 @@ class Table:
     columns: list[str]
     rows: list[list[Any]]  # cells: str (escaped on output) or numbers
     element_id: str = ""
+    wrap: frozenset[str] = frozenset()  # columns whose cells may wrap in HTML (the others stay on one line)
 
 
 @dataclass

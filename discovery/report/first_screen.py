@@ -13,6 +13,7 @@ from typing import Any
 import polars as pl
 
 from discovery.artifacts import Scan, missing_stages
+from discovery.evidence.roles import WHERE_SCOPES
 from discovery.rank.verdict import Verdict, decide, drop
 from discovery.report.common import Figure, Table, drop_ci, fmt, head_label, parse_head, signed
 from discovery.report.figures import effect_map_figure
@@ -143,17 +144,19 @@ def _pattern_metric(r: Mapping[str, Any], role: str | None) -> str:
     return f"select {fmt(a, 2)}" if a is not None else "–"
 
 
-_SCOPE_OF_WHERE = {"query": "query", "segments": "segment", "summary tokens": "summary"}
-_SCOPE_WORDS = {"query": "query", "segment": "segments", "summary": "summary tokens"}
+_WHERE_OF_SCOPE = {scope: where for where, scope in WHERE_SCOPES.items()}
+NBSP = "\u00a0"
 
 
-def acts_at(r: Mapping[str, Any], role: str | None) -> str:
+def acts_at(r: Mapping[str, Any], role: str | None, space: str = " ") -> str:
     """The drop at the positions where the head acts: a gather head at its segments, an aggregate head at
     the query, any other head where the evidence stage placed its drop (``where``, else ``mm_where``,
-    marked "†": the truncated model of the evidence stage). A gather head can hurt the task when ablated everywhere and still carry it
-    at the segments, so the first screen shows both."""
+    marked "†": the evidence stage's truncated model). A gather head can hurt the task when ablated
+    everywhere and still carry it at its segments, so the first screen shows both. ``space`` joins the
+    positions to their drop and the interval's ends (a no-break space keeps a narrow cell from splitting
+    them)."""
     scope = {"gather": "segment", "aggregate": "query"}.get(role or "")
-    full, minimal = _SCOPE_OF_WHERE.get(r.get("where") or ""), _SCOPE_OF_WHERE.get(r.get("mm_where") or "")
+    full, minimal = WHERE_SCOPES.get(r.get("where") or ""), WHERE_SCOPES.get(r.get("mm_where") or "")
     scope = scope or full or minimal
     if scope is None:
         return "–"
@@ -161,7 +164,8 @@ def acts_at(r: Mapping[str, Any], role: str | None) -> str:
     column = f"mm_d_ld_{scope}" if use_minimal else f"d_ld_{scope}"
     if r.get(column) is None:
         return "–"
-    return f"{_SCOPE_WORDS[scope]} {drop_ci(r, column, 2)}" + (" †" if use_minimal else "")
+    text = drop_ci(r, column, 2).replace(", ", "," + space)
+    return f"{_WHERE_OF_SCOPE[scope]}{space}{text}" + (" †" if use_minimal else "")
 
 
 def _minimal_note(scan: Scan, tasks: set[str]) -> str:
@@ -175,19 +179,6 @@ def _minimal_note(scan: Scan, tasks: set[str]) -> str:
             parts.append(f"{record['depth']} of {record.get('n_layers', '?')} layers, clean logit difference "
                          f"{signed(ld, 2)}" + (f" ({task})" if len(scan.tasks) > 1 else ""))
     return f"; †: shown only by the truncated model ({'; '.join(parts)})" if parts else ""
-
-
-NBSP = "\u00a0"
-
-
-def _unbroken(acts: str) -> str:
-    """``acts_at``'s text for a narrow column: it may wrap only before the interval and inside the scope
-    words, never between a scope and its drop or inside the interval (no-break spaces)."""
-    scope, _, rest = acts.rpartition(" [")
-    words, _, number = scope.rpartition(" ")
-    if not (rest and words):
-        return acts
-    return words + NBSP + number + " [" + rest.replace(", ", "," + NBSP)
 
 
 def ranked_table(scan: Scan, heads: pl.DataFrame, verdict: Verdict | None, k: int = MAX_RANKED) -> tuple[Table | None, str]:
@@ -206,24 +197,25 @@ def ranked_table(scan: Scan, heads: pl.DataFrame, verdict: Verdict | None, k: in
     rows_shown = sorted(ga + rest, key=lambda x: -x[0])
     several = len(scan.tasks) > 1
     effect = "drop in logit diff [95% CI]" + ("" if column == "d_ld_all" else " (query)")
-    # "role" and "drop where it acts" stay 6th and 4th from the end: the CSS lets them wrap (render._CSS)
     columns = (["task"] if several else []) + ["head", "role (evidence)", effect, "drop where it acts",
                                                "P(gather)", "P(aggregate)", "pattern"]
-    body = []
+    body, minimal_tasks = [], set()
     for _d, _ga, r, role in rows_shown:
+        acts = acts_at(r, role, space=NBSP)
+        if acts.endswith("†"):
+            minimal_tasks.add(r["task"])
         body.append(([r["task"]] if several else []) + [
-            head_label(r), (role or "none").replace("_", " "), drop_ci(r, column, 2),
-            _unbroken(acts_at(r, role)),
+            head_label(r), (role or "none").replace("_", " "), drop_ci(r, column, 2), acts,
             fmt(r.get("p_gather"), 2), fmt(r.get("p_aggregate"), 2), _pattern_metric(r, role)])
     clean = ", ".join(f"{t} {signed(scan.clean(t).get('logit_diff'), 2)}" for t in scan.tasks)
-    minimal = _minimal_note(scan, {r["task"] for *_, r, role in rows_shown if acts_at(r, role).endswith("†")})
+    minimal = _minimal_note(scan, minimal_tasks)
     more = len(rows) - len(body)
     note = (f"Drop = clean − ablated logit difference (positive = the head helps; clean: {clean}). The "
             f"verdict's gather and aggregate heads and the largest drops, by drop; where it acts: the drop "
             f"when the head is ablated only at those positions (a gather head at its segments, an aggregate "
             f"head at the query){minimal}"
             + (f"; {more} more heads in the appendix and heads.parquet." if more > 0 else "."))
-    return Table(columns, body, element_id="ranked"), note
+    return Table(columns, body, element_id="ranked", wrap=frozenset({"role (evidence)", "drop where it acts"})), note
 
 
 def screened_note(scan: Scan) -> str:

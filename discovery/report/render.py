@@ -78,7 +78,7 @@ background:#777} .b-verified{background:#1b7f3b} .b-ga_like{background:#b26b00} 
 .first{display:flex;gap:18px;align-items:flex-start}
 #effect-map{flex:0 0 auto} #effect-map img{max-height:500px;max-width:560px;width:auto}
 #ranked td{white-space:nowrap;padding:3px 5px} #ranked th{padding:3px 5px}
-#ranked td:nth-last-child(4),#ranked td:nth-last-child(6){white-space:normal;min-width:5em} #effect-map figcaption{max-width:460px}
+#ranked td.wrap{white-space:normal;min-width:5em} #effect-map figcaption{max-width:460px}
 .ranked{flex:1;min-width:0;overflow-x:auto} .note{font-size:0.78em;color:#555;margin:2px 0}
 details{border-top:1px solid #ddd;padding:4px 0} summary{cursor:pointer;font-weight:600;font-size:1.02em}
 h2{font-size:1.1em;margin:18px 0 4px}
@@ -89,13 +89,18 @@ def _is_num(text: str) -> bool:
     return bool(text) and (text[0].isdigit() or text[0] in "+-–")
 
 
+def _td(text: str, wrap: bool) -> str:
+    """One cell: numbers right-aligned on one line; text on one line unless its column may wrap."""
+    css = "num" if _is_num(text) else "wrap" if wrap else ""
+    return f'<td class="{css}">{esc(text)}</td>' if css else f"<td>{esc(text)}</td>"
+
+
 def _html_table(table: Table) -> list[str]:
     ident = f' id="{esc(table.element_id)}"' if table.element_id else ""
     out = [f"<table{ident}><tr>" + "".join(f"<th>{esc(c)}</th>" for c in table.columns) + "</tr>"]
+    wraps = [c in table.wrap for c in table.columns]
     for row in table.rows:
-        cells = [cell(v) for v in row]
-        out.append("<tr>" + "".join(f'<td class="num">{esc(c)}</td>' if _is_num(c) else f"<td>{esc(c)}</td>"
-                                    for c in cells) + "</tr>")
+        out.append("<tr>" + "".join(_td(cell(v), w) for v, w in zip(row, wraps)) + "</tr>")
     return out + ["</table>"]
 
 
