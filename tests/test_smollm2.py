@@ -30,9 +30,33 @@ def gguf_path() -> Path:
     return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+GGUF_PARSES: list[str] = []  # the files a GGUFReader was built for while the fixture loaded
+
+
 @pytest.fixture(scope="module")
 def smol() -> LoadedModel:
-    return load_model(gguf_path())
+    import gguf
+
+    class CountingReader(gguf.GGUFReader):
+        def __init__(self, path, mode="r") -> None:
+            GGUF_PARSES.append(str(path))
+            super().__init__(path, mode)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", CountingReader)
+        return load_model(gguf_path())
+
+
+def test_gguf_file_is_parsed_once(smol: LoadedModel) -> None:
+    """Config, weights and tokenizer share one parse of the file, and the shared parse gives the
+    tokenizer a separate load gives."""
+    from transformers import AutoTokenizer
+
+    assert GGUF_PARSES == [str(gguf_path())]
+    alone = AutoTokenizer.from_pretrained(gguf_path().parent, gguf_file=gguf_path().name)
+    text = "Key 7 holds 42; what does key 7 hold?"
+    assert smol.tokenizer(text)["input_ids"] == alone(text)["input_ids"]
+    assert smol.tokenizer.get_vocab() == alone.get_vocab()
 
 
 def test_loads_as_a_working_language_model(smol: LoadedModel) -> None:
