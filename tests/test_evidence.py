@@ -391,3 +391,51 @@ def test_role_groups_from_patterns_and_the_gather_cap():
     assert [str(h) for h in groups["top2"].heads] == ["L1H0", "L2H1"]
     uncapped = {g.name for g in role_groups(frame, EvidenceThresholds(max_gather_groups=None), clean_ld=4.0)}
     assert "gatherers L0" in uncapped
+
+
+def test_group_controls_are_drawn_only_where_they_can_decide(redundant):
+    """Controls are drawn only for a group whose joint drop could make it significant, and every decision
+    equals the full test's: each group's joint ablation and all its controls, run by hand through the engine."""
+    from discovery.evidence import EvidenceThresholds, Group, control_draws, group_ablations
+    from discovery.heads import HeadId
+    from discovery.measure.ablation import Ablation, AblationEngine
+    from discovery.stats import bootstrap_ci
+
+    lm, batch, report = redundant
+    th = EvidenceThresholds(n_controls=12)
+    h = lambda name: HeadId(int(name[1]), int(name[3]), "attn")
+    groups = [Group("copies@query", "aggregate", (h("L1H0"), h("L1H1")), ("query",)),
+              Group("decoy", "aggregate", (h("L1H2"),), ("all",)),
+              Group("idle", "aggregate", (h("L1H3"), h("L1H4")), ("all",))]
+    engine = AblationEngine(lm, batch)
+    ran: list[str] = []
+    run = engine.run
+    engine.run = lambda ablations, *a, **k: (ran.extend(x.label for x in ablations), run(ablations, *a, **k))[1]
+    table = {r["group"]: r for r in group_ablations(engine, report.heads, th, groups=groups, bootstrap=200)
+             .iter_rows(named=True)}
+    engine.run = run
+    clean_ld = float(engine.clean.logit_diff.mean())
+    pool = list(engine.inventory.heads())
+    n_full = 0
+    for g in groups:
+        draws = control_draws(g.heads, pool, th.n_controls, seed=0)
+        ablations = [Ablation(g.heads, "zero", g.scope)] + [Ablation(d, "zero", g.scope) for d in draws]
+        ld = engine.effects(ablations, engine.run(ablations)).logit_diff.double()  # [ablation, prompt]
+        n_full += len(ablations)
+        mean, _, hi = (float(x) for x in bootstrap_ci(ld[0], 200, seed=0))
+        control = ld[1:].mean(-1)  # [draw]
+        beyond = mean < float(torch.quantile(control, 1.0 - th.control_quantile))
+        full_decision = beyond and -mean >= th.group * clean_ld and hi < 0
+        row = table[g.name]
+        assert row["significant"] == full_decision
+        assert row["effect"] == pytest.approx(mean, abs=1e-9)
+        assert row["controls_drawn"] == (g.name == "copies@query")
+        if row["controls_drawn"]:
+            assert row["control_n"] == len(draws) and row["control_p"] == pytest.approx(
+                float((1 + (control <= mean).sum()) / (1 + len(draws))))
+        else:
+            assert row["control_n"] == 0 and row["control_mean"] is None and row["beyond_control"] is None
+    assert table["copies@query"]["significant"] and table["copies@query"]["credited"] == ["L1H0", "L1H1"]
+    # three joints, the strong group's controls, its two spare-one tests: fewer than the full test's ablations
+    assert ran.count("control:copies@query") == table["copies@query"]["control_n"]
+    assert len(ran) == 3 + table["copies@query"]["control_n"] + 2 < n_full

@@ -100,7 +100,7 @@ def test_scan_piped_prints_plain_progress_for_each_stage(tmp_path):
     assert not ANSI.search(err)
     for stage, total in (("loading model", 1), ("patterns", 4), ("ablation \\(all\\)", 16),
                          ("ablation \\(query\\)", 16), ("attribution", 1), ("position effects", None),
-                         ("group ablations", None), ("pairs: mediation", None),
+                         ("group ablations \\(joint\\)", None), ("pairs: mediation", None),
                          ("pairs: patterns under ablation", None), ("pairs: verification \\(joint \\+ controls\\)", None)):
         n = str(total) if total else r"\d+"
         assert re.search(rf"^gascan: {stage}  0/\d+  started$", err, re.MULTILINE), stage

@@ -129,19 +129,35 @@ def control_draws(group: Sequence[HeadId], pool: Sequence[HeadId], n: int, seed:
     return draws
 
 
+def _drop_order(groups: Sequence[Group]) -> list[Group]:
+    """The order a budget drops groups in: weak variants first, then gatherer layers, then the rest, last
+    first (the last of all is never dropped)."""
+    return ([g for g in groups if g.name.endswith("(weak)")][::-1]
+            + [g for g in groups if g.role == "gather" and not g.name.endswith("(weak)")][::-1]
+            + [g for g in groups if g.role != "gather" and not g.name.endswith("(weak)")][::-1])
+
+
+def _kept_options(groups: Sequence[Group]) -> list[list[Group]]:
+    """Every group, then fewer, dropped in :func:`_drop_order` down to one."""
+    options, kept = [list(groups)], list(groups)
+    for g in _drop_order(groups)[:-1]:
+        kept = [x for x in kept if x is not g]
+        options.append(kept)
+    return options
+
+
 def _budget_options(groups: Sequence[Group], n_controls: int) -> list[tuple[list[Group], int]]:
     """(groups kept, control draws) from the full test down to the smallest: fewer controls first (not under
-    ``MIN_DRAWS``), then groups dropped, weak variants first, then gatherer layers, then the rest, last first."""
+    ``MIN_DRAWS``), then groups dropped (:func:`_drop_order`)."""
     draws = sorted({n_controls, *(n for n in (24, MIN_DRAWS) if n < n_controls)}, reverse=True)
-    options = [(list(groups), n) for n in draws]
-    order = ([g for g in groups if g.name.endswith("(weak)")][::-1]
-             + [g for g in groups if g.role == "gather" and not g.name.endswith("(weak)")][::-1]
-             + [g for g in groups if g.role != "gather" and not g.name.endswith("(weak)")][::-1])
-    kept = list(groups)
-    for g in order[:-1]:  # the last group is always tested
-        kept = [x for x in kept if x is not g]
-        options.append((kept, draws[-1]))
-    return options
+    return [(list(groups), n) for n in draws] + [(kept, draws[-1]) for kept in _kept_options(groups)[1:]]
+
+
+def strong_enough(mean: float, hi: float, clean_ld: float, th: EvidenceThresholds) -> bool:
+    """The part of a group's significance its controls cannot change: the joint drop is at least ``th.group``
+    of the clean logit difference with its interval below 0. A group failing it is not significant whatever
+    its controls show, so its controls are not drawn."""
+    return clean_ld > 0 and -mean >= th.group * clean_ld and hi < 0
 
 
 def _spare_ablations(plans: Sequence[tuple[Group, Sequence[tuple[HeadId, ...]]]], rows: Sequence[int] | None,
@@ -168,91 +184,118 @@ def group_ablations(engine: AblationEngine, frame: pl.DataFrame, thresholds: Evi
     ``significant`` (large, beyond the controls' quantile, interval below 0), and for significant groups
     of two or more heads the spare-one test: ``marginal`` (per member: the drop lost when that member
     alone is spared, in logit difference) and ``credited`` (members whose marginal is >= noise * clean
-    with an interval above 0). With a ``ledger`` the tests fit its allowance: fewer controls, then fewer groups,
-    then spare-one tests of fewer groups (each cut recorded in the ledger).
+    with an interval above 0).
+
+    The joint ablations run first; controls are drawn only for the groups :func:`strong_enough` (the others
+    cannot be significant: ``controls_drawn`` false, control columns null), so the decisions equal those of
+    drawing controls for every group at a fraction of the cost. With a ``ledger`` the tests fit its allowance:
+    fewer groups' joint ablations if even those do not fit, then fewer controls, then fewer groups' controls,
+    then spare-one tests of fewer groups (each cut recorded in the ledger; a group whose controls were cut is
+    left out of the table, untested).
     """
     th = thresholds or EvidenceThresholds()
     clean_ld = float(engine.clean.logit_diff.mean())
     groups = list(groups) if groups is not None else role_groups(frame, th, clean_ld=clean_ld)
     pool = [h for h in engine.inventory.heads() if h.layer < engine.n_active_layers]
+    joint_of = {g.name: Ablation(g.heads, "zero", g.scope, label=g.name) for g in groups}
+    predicted = engine.predicted_forward_equivalents
+
+    # 1. every group's joint ablation (fewer groups only if even these do not fit)
+    allowed = ledger.allowance("group ablations") if ledger is not None else None
+    tested, cost, fits = fit(_kept_options(groups), lambda kept: predicted([joint_of[g.name] for g in kept]), allowed)
+    if ledger is not None:
+        ledger.charge("group ablations (joint)", allowed, cost, groups=len(tested), of=len(groups),
+                      untested=[g.name for g in groups if g not in tested], fits=fits)
+    joints = [joint_of[g.name] for g in tested]
+    tick = stage_ticker(progress, "group ablations (joint)", len(joints))
+    effects = engine.effects(joints, engine.run(joints, progress=tick)) if joints else None
+    rows: dict[str, dict[str, Any]] = {}
+    joint_ld: dict[str, torch.Tensor] = {}
+    for i, g in enumerate(tested):
+        joint_ld[g.name] = effects.logit_diff[i].double()  # [prompt]
+        mean, lo, hi = (float(x) for x in bootstrap_ci(joint_ld[g.name], bootstrap, seed=seed))
+        rows[g.name] = {
+            "group": g.name, "role": g.role, "scope": "+".join(g.scope), "heads": [str(h) for h in g.heads],
+            "n": len(g.heads), "effect": mean, "effect_lo": lo, "effect_hi": hi,
+            "d_acc": float(effects.acc[i].double().mean()),
+            "rel_drop": -mean / clean_ld if clean_ld > 0 else None, "controls_drawn": False, "control_n": 0,
+            "control_mean": None, "control_p05": None, "control_p50": None, "control_p95": None,
+            "control_p": None, "beyond_control": None, "significant": False, "marginal": None, "credited": [],
+        }
+
+    # 2. controls for the groups whose joint drop could be significant, and the spare-one tests they may need
+    strong = [g for g in tested if strong_enough(rows[g.name]["effect"], rows[g.name]["effect_hi"], clean_ld, th)]
 
     def build(kept: Sequence[Group], n_draws: int) -> tuple[list[tuple[Group, list[tuple[HeadId, ...]]]], list[Ablation]]:
         plans, ablations = [], []
         for g in kept:
             draws = control_draws(g.heads, pool, n_draws, seed)
             plans.append((g, draws))
-            ablations.append(Ablation(g.heads, "zero", g.scope, label=g.name))
             ablations += [Ablation(d, "zero", g.scope, label=f"control:{g.name}") for d in draws]
         return plans, ablations
 
-    allowed = ledger.allowance("group ablations") if ledger is not None else None
-    options = _budget_options(groups, th.n_controls)
     def cost_with_spares(option: tuple[list[Group], int]) -> float:
-        """The groups and their controls, and every spare-one test they could need (the credits)."""
         plans, ablations = build(*option)
-        rows = [i for i, (g, _) in enumerate(plans) if len(g.heads) >= 2]
-        return engine.predicted_forward_equivalents(ablations) + engine.predicted_forward_equivalents(
-            _spare_ablations(plans, rows))
+        return predicted(ablations) + predicted(_spare_ablations(plans, [i for i, (g, _) in enumerate(plans)
+                                                                           if len(g.heads) >= 2]))
 
-    (kept, n_draws), _, fits = fit(options, cost_with_spares, allowed)
-    plans, ablations = build(kept, n_draws)
-    cost = engine.predicted_forward_equivalents(ablations)
-    if ledger is not None:
-        ledger.charge("group ablations", allowed, cost, groups=len(kept), of=len(groups), controls=n_draws,
-                      untested=[g.name for g in groups if g not in kept], fits=fits)
-    tick = stage_ticker(progress, "group ablations", len(ablations))
-    effects = engine.effects(ablations, engine.run(ablations, progress=tick)) if ablations else None
-    rows: list[dict[str, Any]] = []
-    start = 0
-    spare: list[tuple[int, HeadId]] = []  # (row, spared member)
-    for g, draws in plans:
-        ld = effects.logit_diff[start].double()  # [prompt]
-        control = effects.logit_diff[start + 1:start + 1 + len(draws)].double().mean(-1)  # [draw]
-        acc = float(effects.acc[start].double().mean())
-        start += 1 + len(draws)
-        mean, lo, hi = (float(x) for x in bootstrap_ci(ld, bootstrap, seed=seed))
-        row: dict[str, Any] = {
-            "group": g.name, "role": g.role, "scope": "+".join(g.scope), "heads": [str(h) for h in g.heads],
-            "n": len(g.heads), "effect": mean, "effect_lo": lo, "effect_hi": hi, "d_acc": acc,
-            "rel_drop": -mean / clean_ld if clean_ld > 0 else None, "control_n": len(draws),
-            "control_mean": None, "control_p05": None, "control_p50": None, "control_p95": None,
-            "control_p": None, "beyond_control": None, "significant": False, "marginal": None, "credited": [],
-        }
-        if len(draws):
-            q = torch.quantile(control, torch.tensor([0.05, 0.5, 0.95, 1.0 - th.control_quantile],
-                                                     dtype=control.dtype))
-            row.update(control_mean=float(control.mean()), control_p05=float(q[0]), control_p50=float(q[1]),
-                       control_p95=float(q[2]),
-                       control_p=float((1 + (control <= mean).sum()) / (1 + len(draws))),
-                       beyond_control=bool(mean < float(q[3])))
-        row["significant"] = bool(row["beyond_control"] and clean_ld > 0 and -mean >= th.group * clean_ld
-                                  and hi < 0)
-        rows.append(row)
-        if row["significant"] and len(g.heads) >= 2:
-            spare += [(len(rows) - 1, h) for h in g.heads]
+    plans: list[tuple[Group, list[tuple[HeadId, ...]]]] = []
+    if strong:
+        allowed = ledger.allowance("group ablations") if ledger is not None else None
+        (kept, n_draws), _, fits = fit(_budget_options(strong, th.n_controls), cost_with_spares, allowed)
+        plans, ablations = build(kept, n_draws)
+        if ledger is not None:
+            ledger.charge("group ablations (controls)", allowed, predicted(ablations), groups=len(kept),
+                          of=len(strong), controls=n_draws, untested=[g.name for g in strong if g not in kept],
+                          fits=fits)
+        for g in strong:  # a strong group whose controls the budget cut is untested
+            if g not in kept:
+                del rows[g.name]
+        tick = stage_ticker(progress, "group ablations (controls)", len(ablations))
+        control_ld = engine.effects(ablations, engine.run(ablations, progress=tick)).logit_diff.double().mean(-1) \
+            if ablations else torch.zeros(0, dtype=torch.float64)  # [draw]
+        start = 0
+        for g, draws in plans:
+            control = control_ld[start:start + len(draws)]
+            start += len(draws)
+            row = rows[g.name]
+            row["controls_drawn"] = True
+            if len(draws):
+                mean = row["effect"]
+                q = torch.quantile(control, torch.tensor([0.05, 0.5, 0.95, 1.0 - th.control_quantile],
+                                                         dtype=control.dtype))
+                row.update(control_n=len(draws), control_mean=float(control.mean()), control_p05=float(q[0]),
+                           control_p50=float(q[1]), control_p95=float(q[2]),
+                           control_p=float((1 + (control <= mean).sum()) / (1 + len(draws))),
+                           beyond_control=bool(mean < float(q[3])))
+            row["significant"] = bool(row["beyond_control"])  # strong_enough holds for every planned group
+
+    # 3. which members a significant group needs: spare each one
+    spare = [(r, h) for r, (g, _) in enumerate(plans) if rows[g.name]["significant"] and len(g.heads) >= 2
+             for h in g.heads]  # (plan, spared member)
     if spare and ledger is not None:  # the spare-one tests of as many significant groups as the budget leaves
         allowed = ledger.allowance("group ablations")
-        cost_of = lambda some: engine.predicted_forward_equivalents(_spare_ablations(plans, some))
-        rows_with = sorted({r for r, _ in spare})
-        keep, cost, fits = fit([rows_with[:n] for n in range(len(rows_with), -1, -1)], cost_of, allowed)
-        ledger.charge("group ablations (spare one)", allowed, cost, groups=len(keep), of=len(rows_with), fits=fits)
+        cost_of = lambda some: predicted(_spare_ablations(plans, some))
+        with_spares = sorted({r for r, _ in spare})
+        keep, cost, fits = fit([with_spares[:n] for n in range(len(with_spares), -1, -1)], cost_of, allowed)
+        ledger.charge("group ablations (spare one)", allowed, cost, groups=len(keep), of=len(with_spares), fits=fits)
         spare = [(r, h) for r, h in spare if r in set(keep)]
     if spare:
         spare_abl = _spare_ablations(plans, None, spare)
         tick = stage_ticker(progress, "group ablations (spare one)", len(spare_abl))
         spared = engine.effects(spare_abl, engine.run(spare_abl, progress=tick)).logit_diff.double()  # [spare, prompt]
         for j, (r, h) in enumerate(spare):
-            g_start = sum(1 + len(d) for _, d in plans[:r])
-            joint = effects.logit_diff[g_start].double()  # [prompt]
-            m, lo, _ = (float(x) for x in bootstrap_ci(spared[j] - joint, bootstrap, seed=seed))
-            row = rows[r]
+            g = plans[r][0]
+            m, lo, _ = (float(x) for x in bootstrap_ci(spared[j] - joint_ld[g.name], bootstrap, seed=seed))
+            row = rows[g.name]
             row["marginal"] = (row["marginal"] or []) + [m]
             if m >= th.noise * clean_ld and lo > 0:
                 row["credited"] = row["credited"] + [str(h)]
     schema = {"marginal": pl.List(pl.Float64), "credited": pl.List(pl.Utf8), "heads": pl.List(pl.Utf8),
               "control_mean": pl.Float64, "control_p05": pl.Float64, "control_p50": pl.Float64,
               "control_p95": pl.Float64, "control_p": pl.Float64, "beyond_control": pl.Boolean,
-              "rel_drop": pl.Float64}
-    if not rows:
+              "rel_drop": pl.Float64, "d_acc": pl.Float64, "controls_drawn": pl.Boolean}
+    ordered = [rows[g.name] for g in groups if g.name in rows]
+    if not ordered:
         return pl.DataFrame(schema=schema)
-    return pl.DataFrame(rows, schema_overrides=schema, infer_schema_length=None)
+    return pl.DataFrame(ordered, schema_overrides=schema, infer_schema_length=None)

@@ -115,12 +115,20 @@ def roles_section(scan: Scan, heads: pl.DataFrame, verdict: Verdict | None) -> S
         rows = []
         for r in groups.iter_rows(named=True):
             control = (f"{signed(drop(r['control_mean']))} [{signed(drop(r.get('control_p95')))}, "
-                       f"{signed(drop(r.get('control_p05')))}]" if r.get("control_mean") is not None else "–")
+                       f"{signed(drop(r.get('control_p05')))}]" if r.get("control_mean") is not None
+                       else "not drawn: joint drop too small" if r.get("controls_drawn") is False else "–")
             rows.append([r.get("task", ""), r.get("group"), r.get("scope"), r.get("n"), drop_ci(
                 {"e": r.get("effect"), "e_lo": r.get("effect_lo"), "e_hi": r.get("effect_hi")}, "e"),
                 control, r.get("significant"), ", ".join(r.get("credited") or []) or "–"])
         sec.tables.append(Table(["task", "group", "scope", "heads", "joint drop [95% CI]",
                                  "control drop (5–95%)", "significant", "credited"], rows[:MAX_ROWS]))
+        if "controls_drawn" in groups.columns and not all(groups["controls_drawn"].to_list()):
+            share = ((scan.summary.get("evidence") or {}).get(scan.tasks[0], {}).get("thresholds") or {}).get("group")
+            sec.paragraphs.append(
+                "Random controls are drawn only for groups whose joint drop could make them significant (at least "
+                + (f"{share:.0%}" if share is not None else "the group share")
+                + " of the clean logit difference, interval below 0); the others are not significant whatever "
+                  "their controls would show.")
     return sec
 
 
