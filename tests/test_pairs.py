@@ -181,3 +181,20 @@ def test_a_pair_is_confident_only_when_verified_and_its_heads_have_evidence_role
     assert not is_confident({**base, "control_n": 9, "control_p": 0.1})  # 9 controls: not testable
     assert not is_confident({**base, "control_p": 3 / 41})  # not significant at 5%
     assert not is_confident({**base, "joint_effect_hi": -0.4})  # interval reaches the controls
+
+
+def test_tested_pairs_from_the_same_layers_share_their_controls(planted):
+    """The control order is one seeded order of control pairs, so two tested pairs from the same layers take
+    the same controls wherever both may (fewer distinct verification ablations), each still a seeded sample
+    of its own eligible controls that never holds one of its own heads."""
+    from discovery.rank.pairs import control_pool
+
+    inv = planted[0].lm.inventory
+    a = HeadId(2, 3, "attn")
+    first, second = HeadId(1, 0, "attn"), HeadId(1, 1, "attn")
+    pool_1, _ = control_pool(inv, first, a, 50, seed=0)
+    pool_2, _ = control_pool(inv, second, a, 50, seed=0)
+    assert not any({first, a} & set(p) for p in pool_1) and not any({second, a} & set(p) for p in pool_2)
+    both = [p for p in pool_1 if second not in p]  # pool_1's controls that pool_2 may hold too
+    assert [p for p in pool_2 if first not in p] == both  # ... it holds them all, in the same order
+    assert len(set(pool_1) | set(pool_2)) <= 50 + 15 < 100  # 65 distinct ablations, not 100

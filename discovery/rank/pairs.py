@@ -30,7 +30,8 @@ For one task's batch and head table:
    the control's gather layer before its aggregate layer: from the pair's own two layers, and where those
    hold fewer than ``MIN_CONTROLS`` (19) such pairs, from neighbouring layer pairs too (both layers within
    ±1 of the pair's, then ±2, ...; the ``control_layers`` column says how far). Up to ``control_draws``
-   controls, nearest layers first, drawn (seeded) without replacement within each distance. Reported: the
+   controls, nearest layers first, drawn (seeded) without replacement within each distance, in one random
+   order of all control pairs, so tested pairs from the same layers share most controls (run once). Reported: the
    joint effect with its bootstrap interval over prompts, the control's mean and 5–95% range,
    ``control_n`` and ``control_p`` = (1 + #controls at least as harmful) / (1 + #controls). ``verified``
    is :func:`discovery.rank.verdict.verified_flag` (the one rule, :func:`~discovery.rank.verdict.pair_status`):
@@ -48,8 +49,8 @@ Effects are in logit-difference units (ablated − clean; negative = the pair he
 """
 from __future__ import annotations
 
+import hashlib
 import math
-import random
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -269,7 +270,9 @@ def control_pool(inv: Any, g: HeadId, a: HeadId, draws: int, seed: int = 0
     """The control pairs for pair ``g`` → ``a`` and how far (in layers) the pool was widened: pairs (x, y) of
     the same kinds, x's layer before y's, neither head ``g`` or ``a``; first from the pair's own layers, then,
     while fewer than ``MIN_CONTROLS`` exist, from layers within ±1, ±2, ... of each. At most ``draws``,
-    nearest distance first, each distance's pairs in a seeded random order."""
+    nearest distance first, each distance's pairs in a seeded random order that is the same for every tested
+    pair (:func:`_control_order`): two pairs from the same layers share most of their controls, and the engine
+    runs a shared control once."""
     def heads(layer: int, kind: str) -> list[HeadId]:
         if not 0 <= layer < inv.n_layers:
             return []
@@ -278,7 +281,6 @@ def control_pool(inv: Any, g: HeadId, a: HeadId, draws: int, seed: int = 0
         except KeyError:  # a hybrid's layer without heads of this kind
             return []
 
-    rng = random.Random(f"{seed}:{g}:{a}")
     chosen: list[tuple[HeadId, HeadId]] = []
     seen: set[tuple[int, int]] = set()
     distance = 0
@@ -291,11 +293,19 @@ def control_pool(inv: Any, g: HeadId, a: HeadId, draws: int, seed: int = 0
                 seen.add((lg, la))
                 ring += [(x, y) for x in heads(lg, g.kind) for y in heads(la, a.kind)
                          if x not in (g, a) and y not in (g, a)]
-        rng.shuffle(ring)
+        ring.sort(key=lambda pair: _control_order(seed, *pair))
         chosen += ring[:max(0, draws - len(chosen))]
         if len(chosen) >= min(MIN_CONTROLS, draws):
             break
     return chosen, distance
+
+
+def _control_order(seed: int, x: HeadId, y: HeadId) -> float:
+    """A control pair's place in the seeded random order, from the pair alone (not the tested pair): each
+    tested pair still takes a uniform random sample of its eligible controls, and the samples of neighbouring
+    tested pairs coincide wherever their eligible controls do."""
+    digest = hashlib.blake2b(f"{seed}:{x}:{y}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2.0 ** 64
 
 
 def _layers_text(distance: int) -> str:
