@@ -244,3 +244,27 @@ def test_where_it_acts_shows_the_gather_heads_segment_drop_and_which_model_showe
     summary = {"where": "summary tokens", "d_ld_summary": -1.18, "d_ld_summary_lo": -1.76, "d_ld_summary_hi": -0.67}
     assert acts_at(summary, None, space="\u00a0") == "summary tokens\u00a0+1.18 [+0.67,\u00a0+1.76]"
     assert acts_at({"where": "none"}, None, space="\u00a0") == "–"
+
+
+def test_effect_map_marks_in_capitals_only_the_heads_the_verdict_sentence_names():
+    """SmolLM2's verdict names L16H0, L16H2 -> L18H6; L17H8 has the gather role but is in no verified pair: the
+    map marks it ``g`` and the legend says what the lower case means (the map read ``G`` on it before)."""
+    from discovery.rank.verdict import HeadRef, PairCall, TaskVerdict, Verdict
+    from discovery.report.first_screen import marks, marks_legend
+
+    def pair(gather: int, status: str) -> PairCall:
+        return PairCall("kv", 0, HeadRef(16, gather, "attn"), HeadRef(18, 6, "attn"), status, 0.2, 0.1, 0.3, 0.0,
+                        0.05, 50, 0.02, "gather", "aggregate", 0.9, 0.9)
+
+    heads = pl.DataFrame({"task": ["kv"] * 4, "layer": [16, 16, 17, 18], "head": [0, 2, 8, 6],
+                          "kind": ["attn"] * 4, "role": ["gather", "gather", "gather", "aggregate"]})
+    verified = TaskVerdict("kv", "verified", "G&A verified: ...", "high", "", (pair(0, "verified"),
+                           pair(2, "not_significant")), ("L16H0", "L16H2", "L17H8"), ("L18H6",))
+    shown = marks(Verdict((verified,)), heads)
+    assert shown == {"kv": [(16, 0, "attn", "G"), (16, 2, "attn", "g"), (17, 8, "attn", "g"), (18, 6, "attn", "A")]}
+    assert "g / a: heads with that role" in marks_legend(Verdict((verified,)), shown)
+    # a G&A-like verdict names every role head; without a verdict the evidence roles are all capitals
+    like = TaskVerdict("kv", "ga_like", "G&A-like heads ...", "low", "", (), ("L16H0", "L16H2", "L17H8"), ("L18H6",))
+    assert [m[3] for m in marks(Verdict((like,)), heads)["kv"]] == ["G", "G", "G", "A"]
+    assert [m[3] for m in marks(None, heads)["kv"]] == ["G", "G", "G", "A"]
+    assert "g / a" not in marks_legend(None, marks(None, heads))

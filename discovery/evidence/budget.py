@@ -30,7 +30,9 @@ recomputes) plus one forward per pattern or read pass; each part is shrunk to wh
 pair candidates, fewer top pairs verified; the read tests (a pass per gather candidate) and each verified
 pair's random controls (the test's statistics: with 19 instead of 50 the mc toy "verified" a pair the full
 test rejects) are never cut. What was cut is recorded and reported. The default budget
-(:func:`default_budget`) is 1.5x the sweep's cost, so a whole scan costs at most about 2.5x its sweep.
+(:func:`default_budget`) is 1.5x the sweep's cost, so a whole scan costs at most about 2.5x its sweep,
+but at least :data:`MIN_BUDGET`: on small models (the toys, Gemma3-270M) the floor decides, since the tests'
+controls cost the same whatever the number of heads.
 """
 from __future__ import annotations
 
@@ -50,7 +52,8 @@ from discovery.measure.metrics import selection
 MIN_DRAWS = 19  # random controls a group or pair test keeps at least: the smallest count with p <= 0.05 possible
 DEFAULT_FACTOR = 1.5  # default budget: evidence + pairs cost at most this many sweeps
 MIN_BUDGET = 200.0  # ... and at least this many: the tests' fixed cost (controls) does not shrink with the model;
-# at 40 the mc toy lost its gather head, at 100 the mc-mamba2 toy lost the group credit of an aggregate head
+# at 40 the mc toy lost its gather head, at 100 the mc-mamba2 toy lost the group credit of an aggregate head,
+# at 85 Gemma3-270M lost its gather head L5H3 (8 candidates; 140 kept it): docs/scale.md
 # shares of the budget: the evidence stage's parts, in the order they run; the pair stage gets the rest
 SHARES = {"position effects": 0.15, "group ablations": 0.35, "minimal model": 0.05, "read tests": 0.05}
 CANDIDATE_LIMITS = (24, 16, 12, 8, 5)  # candidate counts tried, largest first

@@ -16,7 +16,7 @@ from discovery.report.figures import (
     minimal_depth_figure,
     pattern_figure,
 )
-from discovery.report.first_screen import head_roles
+from discovery.report.first_screen import marks, marks_legend
 from discovery.report.sections import (
     classifier_section,
     decoys_section,
@@ -158,8 +158,9 @@ def figure_sections(scan: Scan, heads: pl.DataFrame, n_layers: int, verdict: Ver
         profile.figures.append(Figure("minimal_model", "Minimal model: accuracy of the truncated model", png))
     maps = Section("Layer × head maps of every metric",
                    [("Red = ablating the head lowers the logit difference (a positive drop: the head helps); blue: "
-                     "raises it. G / A mark the gather and aggregate heads.")])
-    roles = head_roles(verdict, heads)
+                     "raises it. ")])
+    shown = marks(verdict, heads)
+    maps.paragraphs[0] += marks_legend(verdict, shown)
     for t, task in enumerate(scan.tasks):
         frame = heads.filter(pl.col("task") == task)
         png = depth_profile_figure(frame, n_layers, f"{task}")
@@ -169,9 +170,7 @@ def figure_sections(scan: Scan, heads: pl.DataFrame, n_layers: int, verdict: Ver
             part = frame.filter(pl.col("kind") == kind)
             if part.height == 0:
                 continue
-            km = [(layer, head, "G" if role == "gather" else "A")
-                  for (tk, layer, head, k), role in roles.items()
-                  if tk == task and k == kind and role in ("gather", "aggregate")]
+            km = [(layer, head, text) for layer, head, k, text in shown.get(task, ()) if k == kind]
             title = f"{task}: {'attention' if kind == 'attn' else 'SSM'} heads"
             png = heatmap_figure(part, n_layers, title, km)
             if png:

@@ -6,7 +6,7 @@ confidence, the heads it names) and never recomputes it.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,6 +88,32 @@ def facts_line(scan: Scan) -> str:
     return " · ".join(parts)
 
 
+def verdict_roles(verdict: Verdict | None) -> dict[tuple[str, int, int, str], str]:
+    """(task, layer, head, kind) -> role for the heads the verdict names (gather, aggregate, decoy)."""
+    out: dict[tuple[str, int, int, str], str] = {}
+    for t in (verdict.tasks if verdict else ()):
+        for role, names in (("decoy", t.decoys), ("aggregate", t.aggregate_heads), ("gather", t.gather_heads)):
+            for name in names:
+                h = parse_head(name)
+                if h:
+                    out[(t.task, *h)] = role
+    return out
+
+
+def sentence_heads(verdict: Verdict | None) -> set[tuple[str, int, int, str]]:
+    """The gather and aggregate heads each task's verdict sentence names: a verified verdict names only its
+    verified pairs' heads, the others every head with a G&A role."""
+    out: set[tuple[str, int, int, str]] = set()
+    for t in (verdict.tasks if verdict else ()):
+        if t.outcome == "verified":
+            out |= {(t.task, *h) for p in t.verified_pairs
+                    for h in ((p.gather.layer, p.gather.head, p.gather.kind),
+                              (p.aggregate.layer, p.aggregate.head, p.aggregate.kind))}
+        else:
+            out |= {(t.task, *h) for h in map(parse_head, t.gather_heads + t.aggregate_heads) if h}
+    return out
+
+
 def head_roles(verdict: Verdict | None, heads: pl.DataFrame) -> dict[tuple[str, int, int, str], str]:
     """(task, layer, head, kind) -> role: the verdict's gather/aggregate/decoy heads, else the evidence
     stage's ``role`` column."""
@@ -96,12 +122,7 @@ def head_roles(verdict: Verdict | None, heads: pl.DataFrame) -> dict[tuple[str, 
         for r in heads.select("task", "layer", "head", "kind", "role").iter_rows():
             if r[4] and r[4] != "none":
                 out[r[:4]] = r[4]
-    for t in (verdict.tasks if verdict else ()):
-        for role, names in (("decoy", t.decoys), ("aggregate", t.aggregate_heads), ("gather", t.gather_heads)):
-            for name in names:
-                h = parse_head(name)
-                if h:
-                    out[(t.task, *h)] = role
+    out.update(verdict_roles(verdict))
     return out
 
 
@@ -114,17 +135,21 @@ def refined_parents(heads: pl.DataFrame) -> dict[tuple[str, int, int, str], int]
 
 
 def marks(verdict: Verdict | None, heads: pl.DataFrame) -> dict[str, list[tuple[int, int, str, str]]]:
-    """Per task the heads to mark on the effect map: the verdict's gather (G) and aggregate (A) heads (the
-    evidence roles when there is no verdict). A refined channel head is marked on the cell of the group
+    """Per task the heads to mark on the effect map: the gather (G) and aggregate (A) heads the verdict's
+    sentence names, in lower case (g, a) the other heads with those roles by the evidence standards (all in
+    upper case when there is no verdict). A refined channel head is marked on the cell of the group
     that holds it, starred (``A*``); a group refined to channels that have no role gets ``c``."""
     parents = refined_parents(heads)
     cells: dict[tuple[str, int, int, str], set[str]] = {}
     for key, parent in parents.items():
         cells.setdefault((key[0], key[1], parent, key[3]), set()).add("c")
+    named = sentence_heads(verdict)
     for key, role in head_roles(verdict, heads).items():
         if role not in ("gather", "aggregate"):
             continue
         text = "G" if role == "gather" else "A"
+        if verdict is not None and key not in named:
+            text = text.lower()
         if key in parents:
             key, text = (key[0], key[1], parents[key], key[3]), text + "*"
         cells.setdefault(key, set()).add(text)
@@ -135,6 +160,15 @@ def marks(verdict: Verdict | None, heads: pl.DataFrame) -> dict[str, list[tuple[
         out.setdefault(task, []).append((layer, head, kind, "".join(dict.fromkeys(t[0] for t in shown))
                                          + ("*" if starred else "")))
     return out
+
+
+def marks_legend(verdict: Verdict | None, shown: Mapping[str, Sequence[tuple[int, int, str, str]]]) -> str:
+    """What the letters of :func:`marks` mean, for a figure's caption."""
+    source = "the verdict's" if verdict is not None else "the evidence stage's"
+    text = f"G / A: {source} gather and aggregate heads."
+    if any(m[3][0].islower() for ms in shown.values() for m in ms):
+        text += " g / a: heads with that role by the evidence standards that the verdict does not name."
+    return text
 
 
 def _pattern_metric(r: Mapping[str, Any], role: str | None) -> str:
@@ -238,12 +272,12 @@ def build_first_screen(scan: Scan, heads: pl.DataFrame, n_layers: int) -> tuple[
     for t in (verdict.tasks if verdict else ()):
         screen.verdicts.append(VerdictLine(t.task, t.outcome, OUTCOME_WORDS.get(t.outcome, t.outcome), t.sentence,
                                            t.confidence))
-    png = effect_map_figure(heads, n_layers, scan.tasks, marks(verdict, heads))
+    shown = marks(verdict, heads)
+    png = effect_map_figure(heads, n_layers, scan.tasks, shown)
     if png:
-        source = "the verdict's" if verdict is not None else "the evidence stage's"
         screen.figure = Figure("effect_map", "Drop in logit difference when one head is ablated", png,
-                               caption=(f"Drop in logit difference when the head is ablated (all positions; red = "
-                                        f"the head helps). G / A: {source} gather and aggregate heads."
+                               caption=("Drop in logit difference when the head is ablated (all positions; red = "
+                                        "the head helps). " + marks_legend(verdict, shown)
                                         + (" Mamba-1 groups refined to channels: c, or G* / A* when a refined "
                                            "channel head of that group has the role (the ranked heads name its "
                                            "channels)." if refined_parents(heads) else "") + screened_note(scan)),
