@@ -439,3 +439,35 @@ def test_group_controls_are_drawn_only_where_they_can_decide(redundant):
     # three joints, the strong group's controls, its two spare-one tests: fewer than the full test's ablations
     assert ran.count("control:copies@query") == table["copies@query"]["control_n"]
     assert len(ran) == 3 + table["copies@query"]["control_n"] + 2 < n_full
+
+
+def test_a_task_the_model_does_not_do_costs_no_tests_and_keeps_the_full_tests_verdict(tmp_path, monkeypatch):
+    """tiny:llama (random weights) does not do mc. The evidence stage stops after its clean pass and the pair
+    stage runs nothing (on SmolLM2-135M mc the full tests took minutes to say the same); forcing the full
+    tests on the same scan gives the same verdict, and no head a G&A role."""
+    from discovery.artifacts import read_summary
+    from discovery.evidence import stage
+    from pipelines.options import ScanOptions
+    from pipelines.pipeline import run
+
+    lm = load_model("tiny:llama")
+    options = ScanOptions(tasks=["mc"], prompts=16, seed=1, bootstrap=100)  # accuracy 0.25, chance 0.25
+    fast = run(lm, options, tmp_path / "fast", report=False)
+    ev = read_summary(tmp_path / "fast")["evidence"]["mc"]
+    clean = ev["details"]["clean"]
+    assert clean["acc"] - clean["chance"] < 0.05 or clean["logit_diff"] <= 0  # the premise: the task is not done
+    assert ev["task_done"] is False and "does not do the task" in ev["skipped"]
+    assert ev["roles"] == [] and ev["groups"] == [] and ev["reads"] == []
+    stages = fast.summary["stages"]
+    assert stages["evidence"]["forward_equivalents"] <= 1.0 + 1e-6  # the clean pass only
+    assert stages["pairs"]["forward_equivalents"] == 0.0
+    assert fast.summary["pairs_skipped"] == {"mc": "the model does not do the task (evidence stage), so no pair "
+                                                    "was ranked or tested"}
+
+    monkeypatch.setattr(stage, "task_done", lambda clean, th: True)  # the tests run as if the task were done
+    full = run(lm, options, tmp_path / "full", report=False)
+    full_ev = read_summary(tmp_path / "full")["evidence"]["mc"]
+    assert "skipped" not in full_ev and full.summary["stages"]["evidence"]["forward_equivalents"] > 5.0
+    assert not [r for r in full_ev["roles"] if r["role"] in ("gather", "aggregate")]
+    assert full.verdict.tasks[0].outcome == fast.verdict.tasks[0].outcome == "none"
+    assert full.verdict.tasks[0].sentence == fast.verdict.tasks[0].sentence

@@ -77,6 +77,12 @@ def _where(row: Mapping[str, Any], th: EvidenceThresholds, ref: float, prefix: s
     return "elsewhere"
 
 
+def task_done(clean: Mapping[str, float], th: EvidenceThresholds) -> bool:
+    """Whether the model does the task: a positive clean logit difference and clean accuracy at least
+    ``min_margin`` above chance. When it does not, no head can carry the task (no G&A role is given)."""
+    return float(clean["logit_diff"]) > 0 and clean.get("acc", 1.0) - clean.get("chance", 0.0) >= th.min_margin
+
+
 def verdicts(frame: pl.DataFrame, groups: pl.DataFrame | None, thresholds: EvidenceThresholds | None = None, *,
              clean: Mapping[str, float], reads: pl.DataFrame | None = None,
              minimal: Mapping[str, Any] | None = None, unresolved: frozenset[str] = frozenset()
@@ -100,7 +106,9 @@ def verdicts(frame: pl.DataFrame, groups: pl.DataFrame | None, thresholds: Evide
     - ``decoy``: a G&A-like pattern and no effect at any scope (each within ``noise`` of the clean logit
       difference or with an interval including 0), in the minimal model too, and no group credit; never a
       head the evidence budget left untested (``tested`` false: only the sweep's scopes were measured) or
-      a member of a group the budget did not test (``unresolved``: its group credit is unknown);
+      a member of a group the budget did not test (``unresolved``: its group credit is unknown); and only when
+      the model does the task (:func:`task_done`: otherwise no head has an effect, and a pattern without one
+      says nothing);
     - ``none``: the rest.
 
     Group credit: a member of a significant group is credited when sparing it alone restores at least
@@ -134,7 +142,7 @@ def verdicts(frame: pl.DataFrame, groups: pl.DataFrame | None, thresholds: Evide
         if r["reads"]:
             read_by.setdefault(r["gather"], []).append(r)
 
-    task_done = clean_ld > 0 and clean.get("acc", 1.0) - clean.get("chance", 0.0) >= th.min_margin
+    done = task_done(clean, th)
     rows: list[dict[str, Any]] = []
     info: dict[str, dict[str, Any]] = {}
     for row in frame.iter_rows(named=True):
@@ -164,10 +172,10 @@ def verdicts(frame: pl.DataFrame, groups: pl.DataFrame | None, thresholds: Evide
 
     # aggregate first: gather needs a later aggregate head that reads it
     for name, v in info.items():
-        v["role"] = "aggregate" if task_done and v["agg_pattern"] and (v["q_single"] or v["q_group"]) else None
+        v["role"] = "aggregate" if done and v["agg_pattern"] and (v["q_single"] or v["q_group"]) else None
     aggregate_names = {n for n, v in info.items() if v["role"] == "aggregate"}
     for name, v in info.items():
-        if v["role"] or not task_done:
+        if v["role"] or not done:
             continue
         readers = [r for r in read_by.get(name, []) if r["reader"] in aggregate_names]
         v["readers"] = readers
@@ -176,9 +184,10 @@ def verdicts(frame: pl.DataFrame, groups: pl.DataFrame | None, thresholds: Evide
     for name, v in info.items():
         if v["role"]:
             continue
-        if task_done and (v["any_effect"] or v["credits"]):
+        if done and (v["any_effect"] or v["credits"]):
             v["role"] = "other_important"
-        elif (v["agg_pattern"] or v["gather_pattern"]) and v["no_effect"] and v["row"].get("tested") is not False:
+        elif (done and (v["agg_pattern"] or v["gather_pattern"]) and v["no_effect"]
+              and v["row"].get("tested") is not False):
             v["role"] = "decoy"  # a head the budget left untested is no decoy: its other scopes were not measured
         else:
             v["role"] = "none"
@@ -198,7 +207,7 @@ def verdicts(frame: pl.DataFrame, groups: pl.DataFrame | None, thresholds: Evide
     roles = pl.DataFrame(rows, schema_overrides={"mm_where": pl.Utf8, "pattern": pl.Utf8, "credited_by": pl.Utf8,
                                                  "read_by": pl.Utf8, "rel_drop_all": pl.Float64},
                          infer_schema_length=None)
-    verdict = _model_verdict(info, sig_groups, read_by, th, clean, task_done, frame, minimal)
+    verdict = _model_verdict(info, sig_groups, read_by, th, clean, done, frame, minimal)
     return roles, verdict
 
 EVIDENCE_PATTERN_METRICS = ("selectivity", "agg_select", "agg_after", "gather_score", "gather_cross")
@@ -253,7 +262,7 @@ def _evidence_text(v: Mapping[str, Any], th: EvidenceThresholds, clean_ld: float
 
 def _model_verdict(info: Mapping[str, Mapping[str, Any]], sig_groups: list[dict[str, Any]],
                    read_by: Mapping[str, list[dict[str, Any]]], th: EvidenceThresholds, clean: Mapping[str, float],
-                   task_done: bool, frame: pl.DataFrame, minimal: Mapping[str, Any] | None) -> dict[str, Any]:
+                   done: bool, frame: pl.DataFrame, minimal: Mapping[str, Any] | None) -> dict[str, Any]:
     clean_ld = float(clean["logit_diff"])
 
     def names(role: str) -> list[str]:
@@ -285,7 +294,7 @@ def _model_verdict(info: Mapping[str, Mapping[str, Any]], sig_groups: list[dict[
                     "control_p95": g["control_p95"], "credited": g["credited"]} for g in sig_groups],
         "carriers": carriers, "minimal_model": dict(minimal) if minimal else None,
     }
-    if not task_done:
+    if not done:
         out["verdict"] = "none"
         out["reason"] = (f"the model does not do the task (clean logit difference {clean_ld:.2f}, accuracy "
                          f"{clean.get('acc', float('nan')):.2f} vs chance {clean.get('chance', float('nan')):.2f}), "

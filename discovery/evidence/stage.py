@@ -17,7 +17,7 @@ from discovery.evidence.groups import group_ablations, role_groups
 from discovery.evidence.minimal import depth_profile, minimal_depth, minimal_model_effects
 from discovery.evidence.positions import position_effects
 from discovery.evidence.reads import read_test
-from discovery.evidence.roles import lives_at, verdicts
+from discovery.evidence.roles import lives_at, task_done, verdicts
 from discovery.evidence.thresholds import MINIMAL_SCOPES, SCOPE_ABLATIONS, SHORT, EvidenceThresholds
 from discovery.heads import HeadId
 from discovery.measure.ablation import AblationEngine, Progress, single_head_ablations
@@ -106,6 +106,8 @@ def evidence_report(lm: LoadedModel, batch: AnnotatedBatch, frame: pl.DataFrame,
     engine = engine or AblationEngine(lm, batch, max_memory_mb=max_memory_mb)
     ledger = ledger or Ledger(None)
     clean = _clean(engine)
+    if not task_done(clean, th):
+        return _not_done(frame, clean, th, ledger, tasks)
     heads = _heads_of(frame)
 
     have = [s for s in SCOPE_ABLATIONS if all(f"d_{short}_{s}{end}" in frame.columns
@@ -196,9 +198,32 @@ def evidence_report(lm: LoadedModel, batch: AnnotatedBatch, frame: pl.DataFrame,
     if progress:
         progress("read tests", len(gathers), len(gathers))
     roles, verdict = verdicts(table, groups, th, clean=clean, reads=reads, minimal=minimal, unresolved=unresolved)
+    return _evidence(table, roles, verdict, groups, profile, reads, minimal, th, ledger, heads, chosen, tasks)
+
+
+def _not_done(frame: pl.DataFrame, clean: Mapping[str, float], th: EvidenceThresholds, ledger: Ledger,
+              tasks: list[str]) -> EvidenceReport:
+    """The evidence of a task the model does not do: no test runs (with no task done, no head can get a G&A
+    role, and rule 4 of the verdict says "no G&A here" whatever the tests show), every head keeps its sweep
+    effects only, and the summary says why nothing was tested."""
+    table = frame.with_columns(pl.lit(False).alias("tested"), pl.lit(None, dtype=pl.Utf8).alias("tested_because"))
+    roles, verdict = verdicts(table, None, th, clean=clean)
+    report = _evidence(table, roles, verdict, pl.DataFrame(), pl.DataFrame(), pl.DataFrame(), {}, th, ledger,
+                       _heads_of(frame), set(), tasks)
+    report.summary["task_done"] = False
+    report.summary["skipped"] = (f"{verdict['reason']}; the evidence and pair tests did not run (they explain an "
+                                 "effect the model does not show)")
+    return report
+
+
+def _evidence(table: pl.DataFrame, roles: pl.DataFrame, verdict: Mapping[str, Any], groups: pl.DataFrame,
+              profile: pl.DataFrame, reads: pl.DataFrame, minimal: Mapping[str, Any], th: EvidenceThresholds,
+              ledger: Ledger, heads: list[HeadId], chosen: set[str], tasks: list[str]) -> EvidenceReport:
+    """The stage's tables and summary field for one task, from the roles :func:`verdicts` gave."""
     heads_out = table.join(roles.drop("name"), on=["layer", "head", "kind"], how="left")
     if tasks:  # name the task in every table, so several tasks' tables concatenate
-        groups, profile, reads = (f.with_columns(pl.lit(tasks[0]).alias("task")) for f in (groups, profile, reads))
+        groups, profile, reads = (f.with_columns(pl.lit(tasks[0]).alias("task")) if f.width else f
+                                  for f in (groups, profile, reads))
     summary = {
         "verdict": verdict["verdict"],
         "reason": verdict["reason"],

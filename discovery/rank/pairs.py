@@ -412,8 +412,12 @@ def scan_pairs(lm: Any, heads: pl.DataFrame, summary: Mapping[str, Any], k: int 
     heads = with_evidence(heads, evidence)
     restore_refined(lm.inventory, heads)
 
-    frames, fields, budgets = [], [], {}
+    frames, fields, budgets, skipped = [], [], {}, {}
     for task, info in (summary.get("tasks") or {}).items():
+        done = ((summary.get("evidence") or {}).get(task) or {}).get("task_done")
+        if done is False:  # the evidence stage found the task not done: no pair can join G&A heads
+            skipped[task] = "the model does not do the task (evidence stage), so no pair was ranked or tested"
+            continue
         options = dict(info.get("options") or {})
         prompts = build_task(task, options).prompts()
         max_len = getattr(lm.model.config, "max_position_embeddings", None)
@@ -428,4 +432,4 @@ def scan_pairs(lm: Any, heads: pl.DataFrame, summary: Mapping[str, Any], k: int 
         budgets[task] = ledger.record()
     table = pl.concat([f for f in frames if f.height], how="diagonal_relaxed") if any(f.height for f in frames) \
         else pl.DataFrame()
-    return table, {**merge_fields(fields, k), "budget": budgets}
+    return table, {**merge_fields(fields, k), "budget": budgets, **({"pairs_skipped": skipped} if skipped else {})}

@@ -62,6 +62,10 @@ def budget_section(scan: Scan) -> Section | None:
     rows, paragraphs, rule = [], [], ""
     for task in scan.tasks:
         record, untested = budget_record(scan, task)
+        skipped = ((scan.summary.get("evidence") or {}).get(task) or {}).get("skipped")
+        if skipped:
+            paragraphs.append(f"{task}: {skipped}.")
+            continue
         if not record:
             continue
         for part in record.get("parts") or []:
@@ -76,7 +80,7 @@ def budget_section(scan: Scan) -> Section | None:
                                                                             if len(untested) > 60 else "")
                                                if untested else "none") + ".")
         rule = record.get("rule") or rule
-    if not rows:
+    if not rows and not paragraphs:
         return None
     return Section("Evidence budget", [
         "The evidence and pair tests run within a budget of forward-equivalents per task (gascan scan --budget; "

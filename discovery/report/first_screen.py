@@ -311,8 +311,11 @@ def budget_cuts(record: Mapping[str, Any]) -> list[str]:
 
 def budget_line(scan: Scan) -> str:
     """What the evidence budget left untested, in one sentence ("" when every head was tested)."""
-    parts = []
+    parts, skipped = [], []
     for task in scan.tasks:
+        if ((scan.summary.get("evidence") or {}).get(task) or {}).get("skipped"):
+            skipped.append(task)
+            continue
         record, untested = budget_record(scan, task)
         if not untested and not budget_cuts(record):
             continue
@@ -321,7 +324,9 @@ def budget_line(scan: Scan) -> str:
         parts.append((f"{task}: " if len(scan.tasks) > 1 else "")
                      + f"{n - len(untested)} of {n} heads tested beyond the sweep"
                      + (f" within an evidence budget of {limit:.0f} forward-equivalents" if limit else ""))
+    text = ("No evidence or pair tests" + (f" for {', '.join(skipped)}" if len(scan.tasks) > 1 else "")
+            + ": the model does not do the task, so every head has its sweep effects only.") if skipped else ""
     if not parts:
-        return ""
-    return ("Evidence budget: " + "; ".join(parts) + ". The others have their sweep effects only (list and cuts: "
-            "appendix, Evidence budget; --budget none tests every head).")
+        return text
+    return (text + (" " if text else "") + "Evidence budget: " + "; ".join(parts) + ". The others have their sweep "
+            "effects only (list and cuts: appendix, Evidence budget; --budget none tests every head).")
