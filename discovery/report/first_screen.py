@@ -310,7 +310,8 @@ def budget_cuts(record: Mapping[str, Any]) -> list[str]:
 
 
 def budget_line(scan: Scan) -> str:
-    """What the evidence budget left untested, in one sentence ("" when every head was tested)."""
+    """What the evidence budget left untested, and the tasks whose tests were skipped because the model does not
+    do them, in one or two sentences ("" when every head was tested)."""
     parts, skipped = [], []
     for task in scan.tasks:
         if ((scan.summary.get("evidence") or {}).get(task) or {}).get("skipped"):
