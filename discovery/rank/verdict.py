@@ -154,6 +154,14 @@ class TaskVerdict:
     def verified_pairs(self) -> tuple[PairCall, ...]:
         return tuple(p for p in self.pairs if p.status == "verified" and p.ga_roles)
 
+    @property
+    def named_heads(self) -> tuple[str, ...]:
+        """The heads the sentence names as gather or aggregate heads: a verified verdict's verified pairs
+        (rule 5), any other outcome's heads with a G&A role (rule 6)."""
+        if self.outcome == "verified":
+            return tuple(dict.fromkeys(h.name for p in self.verified_pairs for h in (p.gather, p.aggregate)))
+        return self.gather_heads + self.aggregate_heads
+
 
 @dataclass(frozen=True)
 class Verdict:

@@ -57,12 +57,12 @@ def cost_section(scan: Scan) -> Section | None:
 def budget_section(scan: Scan) -> Section | None:
     """The evidence budget per task: the rule, what each part was allowed and ran, and the untested heads."""
     from discovery.evidence.budget import DEFAULT_FACTOR, MIN_BUDGET
-    from discovery.report.first_screen import budget_cuts, budget_record
+    from discovery.report.first_screen import budget_cuts, budget_record, evidence_skipped
 
     rows, paragraphs, rule = [], [], ""
     for task in scan.tasks:
         record, untested = budget_record(scan, task)
-        skipped = ((scan.summary.get("evidence") or {}).get(task) or {}).get("skipped")
+        skipped = evidence_skipped(scan, task)
         if skipped:
             paragraphs.append(f"{task}: {skipped}.")
             continue
@@ -160,11 +160,10 @@ def figure_sections(scan: Scan, heads: pl.DataFrame, n_layers: int, verdict: Ver
     png = minimal_depth_figure(scan)
     if png:
         profile.figures.append(Figure("minimal_model", "Minimal model: accuracy of the truncated model", png))
+    shown = marks(verdict, heads)
     maps = Section("Layer × head maps of every metric",
                    [("Red = ablating the head lowers the logit difference (a positive drop: the head helps); blue: "
-                     "raises it. ")])
-    shown = marks(verdict, heads)
-    maps.paragraphs[0] += marks_legend(verdict, shown)
+                     "raises it. " + marks_legend(verdict, shown))])
     for t, task in enumerate(scan.tasks):
         frame = heads.filter(pl.col("task") == task)
         png = depth_profile_figure(frame, n_layers, f"{task}")

@@ -88,32 +88,6 @@ def facts_line(scan: Scan) -> str:
     return " · ".join(parts)
 
 
-def verdict_roles(verdict: Verdict | None) -> dict[tuple[str, int, int, str], str]:
-    """(task, layer, head, kind) -> role for the heads the verdict names (gather, aggregate, decoy)."""
-    out: dict[tuple[str, int, int, str], str] = {}
-    for t in (verdict.tasks if verdict else ()):
-        for role, names in (("decoy", t.decoys), ("aggregate", t.aggregate_heads), ("gather", t.gather_heads)):
-            for name in names:
-                h = parse_head(name)
-                if h:
-                    out[(t.task, *h)] = role
-    return out
-
-
-def sentence_heads(verdict: Verdict | None) -> set[tuple[str, int, int, str]]:
-    """The gather and aggregate heads each task's verdict sentence names: a verified verdict names only its
-    verified pairs' heads, the others every head with a G&A role."""
-    out: set[tuple[str, int, int, str]] = set()
-    for t in (verdict.tasks if verdict else ()):
-        if t.outcome == "verified":
-            out |= {(t.task, *h) for p in t.verified_pairs
-                    for h in ((p.gather.layer, p.gather.head, p.gather.kind),
-                              (p.aggregate.layer, p.aggregate.head, p.aggregate.kind))}
-        else:
-            out |= {(t.task, *h) for h in map(parse_head, t.gather_heads + t.aggregate_heads) if h}
-    return out
-
-
 def head_roles(verdict: Verdict | None, heads: pl.DataFrame) -> dict[tuple[str, int, int, str], str]:
     """(task, layer, head, kind) -> role: the verdict's gather/aggregate/decoy heads, else the evidence
     stage's ``role`` column."""
@@ -122,7 +96,12 @@ def head_roles(verdict: Verdict | None, heads: pl.DataFrame) -> dict[tuple[str, 
         for r in heads.select("task", "layer", "head", "kind", "role").iter_rows():
             if r[4] and r[4] != "none":
                 out[r[:4]] = r[4]
-    out.update(verdict_roles(verdict))
+    for t in (verdict.tasks if verdict else ()):
+        for role, names in (("decoy", t.decoys), ("aggregate", t.aggregate_heads), ("gather", t.gather_heads)):
+            for name in names:
+                h = parse_head(name)
+                if h:
+                    out[(t.task, *h)] = role
     return out
 
 
@@ -143,7 +122,7 @@ def marks(verdict: Verdict | None, heads: pl.DataFrame) -> dict[str, list[tuple[
     cells: dict[tuple[str, int, int, str], set[str]] = {}
     for key, parent in parents.items():
         cells.setdefault((key[0], key[1], parent, key[3]), set()).add("c")
-    named = sentence_heads(verdict)
+    named = {(t.task, *h) for t in (verdict.tasks if verdict else ()) for h in map(parse_head, t.named_heads) if h}
     for key, role in head_roles(verdict, heads).items():
         if role not in ("gather", "aggregate"):
             continue
@@ -291,6 +270,11 @@ def build_first_screen(scan: Scan, heads: pl.DataFrame, n_layers: int) -> tuple[
     return screen, verdict
 
 
+def evidence_skipped(scan: Scan, task: str) -> str | None:
+    """Why the evidence stage ran no tests for ``task`` (the model does not do it), or None."""
+    return ((scan.summary.get("evidence") or {}).get(task) or {}).get("skipped")
+
+
 def budget_record(scan: Scan, task: str) -> tuple[Mapping[str, Any], list[str]]:
     """A task's evidence-budget record (after the pair stage when it ran, which adds its parts) and the heads
     the evidence stage left untested beyond the sweep."""
@@ -314,7 +298,7 @@ def budget_line(scan: Scan) -> str:
     do them, in one or two sentences ("" when every head was tested)."""
     parts, skipped = [], []
     for task in scan.tasks:
-        if ((scan.summary.get("evidence") or {}).get(task) or {}).get("skipped"):
+        if evidence_skipped(scan, task):
             skipped.append(task)
             continue
         record, untested = budget_record(scan, task)
