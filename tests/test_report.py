@@ -268,3 +268,5 @@ def test_effect_map_marks_in_capitals_only_the_heads_the_verdict_sentence_names(
     assert [m[3] for m in marks(Verdict((like,)), heads)["kv"]] == ["G", "G", "G", "A"]
     assert [m[3] for m in marks(None, heads)["kv"]] == ["G", "G", "G", "A"]
     assert "g / a" not in marks_legend(None, marks(None, heads))
+    # a Mamba-1 group refined to channels without a role is marked "c": no g / a legend for it
+    assert "g / a" not in marks_legend(Verdict((verified,)), {"mc": [(0, 9, "ssm", "c")]})

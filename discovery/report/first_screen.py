@@ -145,7 +145,7 @@ def marks_legend(verdict: Verdict | None, shown: Mapping[str, Sequence[tuple[int
     """What the letters of :func:`marks` mean, for a figure's caption."""
     source = "the verdict's" if verdict is not None else "the evidence stage's"
     text = f"G / A: {source} gather and aggregate heads."
-    if any(m[3][0].islower() for ms in shown.values() for m in ms):
+    if any(m[3][0] in "ga" for ms in shown.values() for m in ms):  # not "c", a refined group's mark
         text += " g / a: heads with that role by the evidence standards that the verdict does not name."
     return text
 
