@@ -14,6 +14,9 @@ from discovery.evidence.budget import MIN_BUDGET, all_position_sweep_fe
 
 ABLATION_MODES = ("auto", "exact", "query", "atp", "screened", "none")
 TABLE_VERSION = 1  # the head table's layout; part of every batch shard key
+# read only by the stages after the sweep (evidence tests, pairs): changing them keeps a finished sweep, in a
+# resumed scan, in `gascan report --rerun evidence --budget`, and in a batch (they key its finish shards only)
+AFTER_SWEEP_SETTINGS = ("budget",)
 
 
 @dataclass

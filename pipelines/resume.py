@@ -6,7 +6,9 @@ files and the gascan version; its ``key`` is their sha256. Each stage commits by
 (atomically), then its completion marker holding that key and its cost (:func:`commit`), then
 ``summary.json``'s ``stages``. A rerun of the same scan on the same directory starts at the first stage
 without a valid marker (:func:`start_stage`); a directory that holds a scan of other options or another
-checkpoint is refused up front, unless ``force`` starts over.
+checkpoint is refused up front, unless ``force`` starts over. A scan that differs only in settings the stages
+after the sweep read (:data:`~pipelines.options.AFTER_SWEEP_SETTINGS`: the evidence budget) keeps its sweep and
+reruns from the evidence tests: the directory adopts the new fingerprint (:func:`adopt`).
 
 ``GASCAN_TEST_INTERRUPT=STAGE:SIGNAL`` (tests only) makes the process send itself SIGINT or SIGKILL once
 STAGE has written its files and before its marker, the worst moment to stop; ``STAGE:SIGNAL:start`` at the
@@ -27,14 +29,16 @@ from discovery.artifacts import (
     clear_scan,
     drop_markers,
     jsonable,
+    marker_path,
     read_marker,
     read_summary,
     sync_stages,
     write_marker,
 )
 from discovery.errors import OutputError
+from discovery.io import write_json
 from discovery.measure.cost import Cost
-from pipelines.options import TABLE_VERSION, ScanOptions
+from pipelines.options import AFTER_SWEEP_SETTINGS, TABLE_VERSION, ScanOptions
 
 TEST_HOOK = "GASCAN_TEST_INTERRUPT"
 EXECUTION_SETTINGS = ("max_memory_mb",)  # change how a scan runs, not what it computes
@@ -57,8 +61,27 @@ def fingerprint(lm, options: ScanOptions) -> dict[str, Any]:
             "heads": lm.inventory.n_heads(), "n_layers": lm.inventory.n_layers,
             "task_files": {t: task_file_hash(t) for t in options.tasks},
             "table_version": TABLE_VERSION, "gascan": gascan_version()}
-    key = hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
-    return {**body, "key": key}
+    return _keyed(body)
+
+
+def _keyed(body: Mapping[str, Any]) -> dict[str, Any]:
+    """A fingerprint: ``body`` and ``key``, the sha256 of the rest."""
+    body = {k: v for k, v in body.items() if k != "key"}
+    return {**body, "key": hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()}
+
+
+def sweep_part(fp: Mapping[str, Any]) -> dict[str, Any]:
+    """What the sweep's results depend on: the fingerprint without its key and the after-sweep settings."""
+    options = {k: v for k, v in (fp.get("options") or {}).items() if k not in AFTER_SWEEP_SETTINGS}
+    return {**{k: v for k, v in fp.items() if k != "key"}, "options": options}
+
+
+def with_settings(fp: Mapping[str, Any], **settings: Any) -> dict[str, Any]:
+    """``fp`` with after-sweep ``settings`` changed (``budget="120"``), keyed again."""
+    unknown = set(settings) - set(AFTER_SWEEP_SETTINGS)
+    if unknown:
+        raise ValueError(f"{sorted(unknown)} are not after-sweep settings {AFTER_SWEEP_SETTINGS}")
+    return _keyed({**fp, "options": {**(fp.get("options") or {}), **settings}})
 
 
 def difference(old: Mapping[str, Any], new: Mapping[str, Any], prefix: str = "") -> str | None:
@@ -97,7 +120,10 @@ def start_stage(out: str | Path, fp: Mapping[str, Any], stages: Sequence[str], *
     if not isinstance(old, Mapping):
         raise _refuse(out, "a scan without a resume record (written by an older gascan or by gascan batch)")
     if old.get("key") != fp["key"]:
-        raise _refuse(out, f"a scan with other settings ({difference(old, fp) or 'another fingerprint'})")
+        if sweep_part(old) != sweep_part(fp):
+            raise _refuse(out, f"a scan with other settings ({difference(old, fp) or 'another fingerprint'})")
+        # only what the stages after the sweep read changed: a finished sweep is kept
+        return stages[1] if read_marker(out, stages[0], old["key"]) is not None else stages[0]
     for stage in stages:
         if read_marker(out, stage, fp["key"]) is None:
             return stage
@@ -129,14 +155,39 @@ def precheck(out: str | Path, *, force: bool, tasks: Sequence[str], ablation: st
 
 
 def begin(out: str | Path, fp: Mapping[str, Any], stages: Sequence[str], start: str) -> None:
-    """Before ``start`` runs: forget the markers from ``start`` on, and (starting afresh) record the
-    fingerprint in a new ``summary.json``."""
+    """Before ``start`` runs: forget the markers from ``start`` on, and record the fingerprint (starting
+    afresh, in a new ``summary.json``; later, where only after-sweep settings changed, by :func:`adopt`)."""
     from discovery.artifacts import update_summary
 
     drop_markers(out, stages[stages.index(start):])
     if start == stages[0]:
         update_summary(out, {"fingerprint": fp})
+    elif "options" in fp:
+        adopt(out, fp, stages[:stages.index(start)])
     sync_stages(out, stages, fp.get("key"))
+
+
+def adopt(out: str | Path, fp: Mapping[str, Any], kept: Sequence[str]) -> None:
+    """Make the scan in ``out`` the scan ``fp`` describes, which differs from it at most in after-sweep
+    settings: ``summary.json``'s fingerprint and options take ``fp``'s, and the completion markers of the
+    ``kept`` stages (those the change does not touch) name the new key. A no-op when the key is unchanged."""
+    from discovery.artifacts import update_summary
+
+    summary = read_summary(out)
+    old = summary.get("fingerprint") or {}
+    if old.get("key") == fp["key"]:
+        return
+    if sweep_part(old) != sweep_part(fp):
+        raise _refuse(Path(out), f"a scan with other settings ({difference(old, fp) or 'another fingerprint'})")
+    if any(stage != "sweep" for stage in kept):
+        raise ValueError(f"after-sweep settings change every stage after the sweep; cannot keep {list(kept)}")
+    for stage in kept:
+        info = read_marker(out, stage, old.get("key"))
+        if info is not None:
+            write_json(marker_path(out, stage), {**info, "key": fp["key"]})
+    options = {**(summary.get("options") or {}), **{k: fp["options"][k] for k in AFTER_SWEEP_SETTINGS
+                                                    if k in fp["options"]}}
+    update_summary(out, {"fingerprint": dict(fp), "options": options})
 
 
 def test_interrupt(stage: str, when: str = "end") -> None:

@@ -538,3 +538,20 @@ def test_checkpoint_name_clash_gets_parent_prefix(tmp_path):
     spec = spec_from_dict({"models": [str(a), str(b)]}, base=tmp_path)
     assert [c.name for c in spec.checkpoints] == ["runA-final", "runB-final"]
     assert spec.checkpoints[0] == Checkpoint("runA-final", str(a), None)
+
+
+def test_a_new_budget_keys_only_the_finish_shards(series):
+    """The evidence budget is read after the sweep: another budget plans the same sweep shards (kept from an
+    earlier run) and new finish shards (rerun), as `gascan scan` keeps the sweep of a directory."""
+    from dataclasses import replace
+
+    from pipelines.batch.shards import finish_shard_for
+
+    spec = load_spec(series)
+    cheaper = replace(spec, scan=replace(spec.scan, budget="50"))
+    shards, other = plan_shards(spec), plan_shards(cheaper)
+    assert [s.key for s in shards] == [s.key for s in other]
+    assert [s.scan["budget"] for s in other] == ["50"] * len(other)
+    finish = finish_shard_for(shards[:1], b"", {})
+    assert finish.key != finish_shard_for(other[:1], b"", {}).key
+    assert finish.key == finish_shard_for(plan_shards(spec)[:1], b"", {}).key

@@ -225,3 +225,43 @@ def test_stage_records(reference):
     assert parts["ablation_query"]["forward_equivalents"] < expected / 2
     assert stages["sweep"]["forward_equivalents"] == pytest.approx(
         sum(p["forward_equivalents"] for p in parts.values()), rel=0.05)
+
+
+def test_a_new_budget_keeps_the_sweep_and_reruns_from_the_evidence_tests(reference, tmp_path, monkeypatch, capsys):
+    """The budget is read only after the sweep (``AFTER_SWEEP_SETTINGS``): `gascan scan` with another ``--budget``
+    on a finished scan keeps the sweep (its record, run id included) and reruns the evidence tests and pairs
+    with that budget; `gascan report --rerun evidence --budget` does the same to a copy, with the same tables,
+    fingerprint and sweep record, after which the scan command finds that copy complete. Other options are
+    still refused (test above)."""
+    out, _, _ = reference
+    by_scan, by_report = tmp_path / "scan", tmp_path / "report"
+    shutil.copytree(out, by_scan)
+    shutil.copytree(out, by_report)
+    before = summary(out)
+    assert before["options"]["budget"] == "auto" and before["budget"]["mc"]["budget"] is not None
+
+    assert in_process(scan_args(by_scan, "--budget", "none"), monkeypatch) == 0
+    after = summary(by_scan)
+    assert after["stages"]["sweep"] == before["stages"]["sweep"]
+    assert after["stages"]["evidence"]["run"] != before["stages"]["evidence"]["run"]
+    assert after["options"]["budget"] == after["fingerprint"]["options"]["budget"] == "none"
+    assert after["fingerprint"]["key"] != before["fingerprint"]["key"]
+    assert after["budget"]["mc"]["budget"] is None  # the evidence stage ran unbounded
+    assert after["complete"] is True
+
+    assert in_process(["report", str(by_report), "--rerun", "evidence", "--budget", "none"], monkeypatch) == 0
+    reported = summary(by_report)
+    assert reported["fingerprint"] == after["fingerprint"]
+    assert reported["stages"]["sweep"] == before["stages"]["sweep"]
+    for name, table in tables(by_scan).items():
+        other = tables(by_report)[name]
+        assert (table is None) == (other is None) and (table is None or table.equals(other)), name
+    assert reported["verdict"] == after["verdict"] and reported["top_pairs"] == after["top_pairs"]
+    kept = summary(by_report)["stages"]
+    assert in_process(scan_args(by_report, "--budget", "none"), monkeypatch) == 0
+    assert summary(by_report)["stages"] == kept  # complete: nothing ran again
+
+    capsys.readouterr()
+    assert in_process(["report", str(by_report), "--budget", "50"], monkeypatch) == 2
+    assert capsys.readouterr().err.strip() == ("gascan: error: --budget changes what the evidence tests and pairs "
+                                               "run. Fix: pass --rerun evidence with it")

@@ -35,7 +35,7 @@ from pipelines.batch.shards import (
 )
 from pipelines.batch.spec import BatchSpec, Checkpoint, gascan_version
 from pipelines.batch.work import ShardFn, scan_shard
-from pipelines.options import TABLE_VERSION
+from pipelines.options import AFTER_SWEEP_SETTINGS, TABLE_VERSION
 
 REPORT_FILES = ("report.md", "report.html", "figures")
 
@@ -220,9 +220,15 @@ def _up_to_date(directory: Path, summary: dict[str, Any]) -> bool:
 
 
 def _finished(directory: Path, summary: dict[str, Any]) -> bool:
-    """Whether the finish stage wrote ``directory`` from exactly these sweep shards."""
+    """Whether the finish stage wrote ``directory`` from exactly these sweep shards and after-sweep settings."""
     old = _read_json(directory / "summary.json")
-    return old.get("shard_keys") == summary["shard_keys"] and "verdict" in old
+    return (old.get("shard_keys") == summary["shard_keys"] and "verdict" in old
+            and _after_sweep(old) == _after_sweep(summary))
+
+
+def _after_sweep(summary: dict[str, Any]) -> dict[str, Any]:
+    """The settings only the finish stage reads (the evidence budget), as a summary records them."""
+    return {k: (summary.get("options") or {}).get(k) for k in AFTER_SWEEP_SETTINGS}
 
 
 def merge_batch(spec: BatchSpec, out: Path, shards: list[Shard], *, failures: list[dict[str, Any]],

@@ -4,7 +4,7 @@ A shard is one unit of work: a sweep shard is one checkpoint's heads in one laye
 a finish shard is one checkpoint's stages after the sweep (evidence, pairs, verdict, report), planned
 once all its sweep shards are complete. Every shard has a key, the sha256 of everything its output
 depends on (checkpoint content hash, resolved task configuration, scan options, layer range, gascan
-version; a finish shard: its sweep shards' keys). A finished shard's output is written atomically,
+version; a finish shard: its sweep shards' keys and the after-sweep settings). A finished shard's output is written atomically,
 then its completion marker (``<stem>.done.json``); a rerun skips every shard whose marker and output
 agree, so an unchanged checkpoint is not rescanned and a changed one is.
 """
@@ -15,7 +15,7 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -26,7 +26,7 @@ from discovery.artifacts import jsonable
 from discovery.errors import GascanError
 from discovery.model import PICKLE_SUFFIXES
 from pipelines.batch.spec import BatchSpec, Checkpoint, _safe_name, gascan_version
-from pipelines.options import TABLE_VERSION, LoadOptions, ScanOptions
+from pipelines.options import AFTER_SWEEP_SETTINGS, TABLE_VERSION, LoadOptions, ScanOptions
 
 STATE_DIR = ".gascan-batch"
 SHARD_DIR = "shards"
@@ -218,8 +218,10 @@ def _model_task_defaults(checkpoint: Checkpoint) -> dict[str, dict[str, Any]]:
 
 def shard_key(checkpoint_hash: str, task: str, options: ScanOptions, layers: tuple[int, int] | None,
               n_layers: int | None, load: LoadOptions, version: str) -> str:
-    """sha256 of everything a shard's rows depend on (execution settings excluded, see NOT_IN_KEY)."""
-    scan = {k: v for k, v in options.as_dict().items() if k not in ("tasks", "task_options", *NOT_IN_KEY)}
+    """sha256 of everything a shard's rows depend on (execution settings excluded, see NOT_IN_KEY; so are the
+    after-sweep settings, which key the finish shard instead: a new budget reruns only the finish)."""
+    scan = {k: v for k, v in options.as_dict().items()
+            if k not in ("tasks", "task_options", *NOT_IN_KEY, *AFTER_SWEEP_SETTINGS)}
     payload = {
         "checkpoint": checkpoint_hash, "task": task, "task_options": options.options_for(task),
         "task_file": task_file_hash(task), "scan": scan, "layers": layers, "n_layers": n_layers,
@@ -266,9 +268,12 @@ def plan_shards(spec: BatchSpec, out: str | os.PathLike | None = None, version: 
     return shards
 
 
-def finish_key(sweep_keys: Sequence[str], version: str) -> str:
-    """The key of a checkpoint's finish shard: every sweep shard it reads, and the gascan version."""
-    payload = {"stage": "finish", "sweeps": sorted(sweep_keys), "gascan": version, "table_version": TABLE_VERSION}
+def finish_key(sweep_keys: Sequence[str], version: str, scan: Mapping[str, Any]) -> str:
+    """The key of a checkpoint's finish shard: every sweep shard it reads, the after-sweep settings of its
+    ``scan`` options (the evidence budget) and the gascan version."""
+    settings = {k: scan.get(k) for k in AFTER_SWEEP_SETTINGS}
+    payload = {"stage": "finish", "sweeps": sorted(sweep_keys), "settings": settings, "gascan": version,
+               "table_version": TABLE_VERSION}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
@@ -276,7 +281,7 @@ def finish_shard_for(checkpoint_shards: Sequence[Shard], heads_parquet: bytes, s
                      version: str | None = None) -> Shard:
     """The finish shard of one checkpoint whose sweep shards are all complete."""
     first = checkpoint_shards[0]
-    key = finish_key([s.key for s in checkpoint_shards], version or gascan_version())
+    key = finish_key([s.key for s in checkpoint_shards], version or gascan_version(), first.scan)
     return Shard(first.checkpoint, first.checkpoint_hash, "*", first.scan, None, None, key, first.load,
                  stage="finish", inputs={"heads": heads_parquet, "summary": summary})
 

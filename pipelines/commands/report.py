@@ -19,15 +19,37 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         help="rerun the pipeline from this stage first (loads the model): evidence reruns the "
                         "evidence tests and the pair ranking, pairs only the pair ranking with its joint ablations")
     parser.add_argument("--pairs", action="store_true", help="the same as --rerun pairs")
+    parser.add_argument("--budget", default=None, metavar="B",
+                        help="with --rerun evidence: rerun the evidence tests and pairs within this budget instead "
+                        "of the scan's (auto, none, N forward-equivalents or Ns seconds, as gascan scan --budget); "
+                        "the sweep is kept and the scan directory records the new budget")
     parser.add_argument("--device", default="cpu", help="device for --load-model / --pairs (default cpu)")
     parser.set_defaults(func=run)
 
 
+def _set_budget(scan_dir: str, summary: dict, budget: str) -> None:
+    """Record a new evidence budget in the scan directory, keeping its sweep (:func:`pipelines.resume.adopt`)."""
+    from discovery.artifacts import update_summary
+    from pipelines import resume
+
+    fp = summary.get("fingerprint")
+    if isinstance(fp, dict) and "options" in fp:
+        resume.adopt(scan_dir, resume.with_settings(fp, budget=budget), ["sweep"])
+    else:  # a scan from before fingerprints: its options are all there is
+        update_summary(scan_dir, {"options": {**(summary.get("options") or {}), "budget": budget}})
+
+
 def run(args: argparse.Namespace) -> int:
+    from discovery.errors import GascanError
     from pipelines import validate
 
     validate.scan_dir(args.dir)
     rerun = args.rerun or ("pairs" if args.pairs else None)
+    if args.budget is not None:
+        validate.budget(args.budget)
+        if rerun != "evidence":
+            raise GascanError("--budget changes what the evidence tests and pairs run",
+                              "pass --rerun evidence with it")
     if args.load_model or rerun:
         validate.device_available(args.device)
     from discovery.artifacts import read_scan
@@ -35,8 +57,9 @@ def run(args: argparse.Namespace) -> int:
     from pipelines import pipeline
 
     summary = read_scan(args.dir).summary
-    rerun = args.rerun or ("pairs" if args.pairs else None)
     lm = load_model(summary.get("spec"), device=args.device) if args.load_model or rerun else None
+    if args.budget is not None:
+        _set_budget(args.dir, summary, str(args.budget))
     # the verdict is decided again from the tables whatever reran, then drawn
     result = pipeline.finish(lm, args.dir, start=rerun or "verdict")
     if rerun:
