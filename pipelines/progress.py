@@ -137,11 +137,14 @@ class PlainProgress:
 
 
 class RichProgress:
-    """``progress(stage, done, total)`` as rich bars, one per stage (a terminal)."""
+    """``progress(stage, done, total)`` as rich bars, one per stage (a terminal). ``drop_finished``: a
+    stage's bar goes once it is done (a batch runs many checkpoints' stages: kept, they would push the
+    running ones off the screen)."""
 
-    def __init__(self, bar: Any, status: Status | None = None) -> None:
+    def __init__(self, bar: Any, status: Status | None = None, drop_finished: bool = False) -> None:
         self.bar = bar
         self.status = status
+        self.drop_finished = drop_finished
         self.ids: dict[str, Any] = {}
 
     def __call__(self, stage: str, done: int, total: int) -> None:
@@ -149,6 +152,8 @@ class RichProgress:
         if stage not in self.ids:
             self.ids[stage] = self.bar.add_task(stage, total=total, completed=done, **fields)
         self.bar.update(self.ids[stage], completed=done, total=total, **fields)
+        if self.drop_finished and done >= total:
+            self.bar.remove_task(self.ids.pop(stage))
 
 
 def _quiet(stage: str, done: int, total: int) -> None:
@@ -174,12 +179,13 @@ def _rich_bar(console: Any):
 @contextlib.contextmanager
 def reporter(console: Any = None, *, enabled: bool = True, plain: bool | None = None,
              stream: TextIO | None = None, interval: float | None = None,
-             status: Status | None = None) -> Iterator[Progress]:
+             status: Status | None = None, drop_finished: bool = False) -> Iterator[Progress]:
     """The ``progress(stage, done, total)`` callback for a block of long work.
 
     Rich bars (on ``console``, default a stderr console) when stderr is a terminal, plain lines on
     ``stream`` (default stderr) otherwise; ``plain`` forces the choice, ``enabled=False`` reports
-    nothing. Plain lines keep coming every ``interval`` seconds while a stage runs.
+    nothing. Plain lines keep coming every ``interval`` seconds while a stage runs; ``drop_finished``
+    removes a rich bar once its stage is done.
     """
     if not enabled:
         yield _quiet
@@ -188,7 +194,7 @@ def reporter(console: Any = None, *, enabled: bool = True, plain: bool | None = 
         plain = not sys.stderr.isatty()
     if not plain:
         with _rich_bar(console) as bar:
-            yield RichProgress(bar, status)
+            yield RichProgress(bar, status, drop_finished)
         return
     lines = PlainProgress(stream, interval=interval, status=status)
     stop = threading.Event()
@@ -206,6 +212,13 @@ def reporter(console: Any = None, *, enabled: bool = True, plain: bool | None = 
         stop.set()
         if thread is not None:
             thread.join()
+
+
+def within(progress: Progress | None, name: str) -> Progress | None:
+    """``progress`` for the work of one part of a larger job: its stages read ``NAME: stage``."""
+    if progress is None:
+        return None
+    return lambda stage, done, total: progress(f"{name}: {stage}", done, total)
 
 
 @contextlib.contextmanager

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import sys
@@ -100,7 +101,7 @@ class FakeScan:
     die_on: str | None = None
     wait_kill_on: str | None = None
 
-    def __call__(self, shard, cache) -> ShardResult:
+    def __call__(self, shard, cache, progress=None) -> ShardResult:
         with open(self.log, "a") as handle:
             handle.write(f"{shard.key} {os.getpid()}\n")
         label = shard.label
@@ -510,9 +511,13 @@ def test_cli_batch_on_series_with_reports(series, tmp_path, capsys):
     from pipelines.cli import main
 
     out = tmp_path / "out"
-    code = main(["batch", str(series), "--out", str(out), "--prompts", "4", "--ablation", "none", "--quiet",
+    code = main(["batch", str(series), "--out", str(out), "--prompts", "4", "--ablation", "none",
                  "--threads", "1"])
-    assert code == 0, capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert code == 0, err
+    # off a terminal (captured stderr) every shard's stages are log lines named by their checkpoint
+    for name in ("step-000100", "step-000200", "step-000300"):
+        assert re.search(rf"^gascan: {name}: patterns  \d+/\d+  done in \d+s", err, re.MULTILINE), name
     summary = json.loads((out / "batch_summary.json").read_text())
     # three sweep shards and three finish shards (evidence, pairs, verdict, report per checkpoint)
     assert summary["shards"] == {"total": 6, "ran": 6, "skipped": 0, "failed": 0, "done": 6}

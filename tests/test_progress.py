@@ -118,7 +118,7 @@ def test_batch_progress_shows_failures_worker_deaths_and_resubmissions(capsys, m
             self.stats = {"worker_deaths": 0, "resubmitted": 0}
 
     executor = RayLike()
-    with _progress_bar(True, None, 3, 1, executor) as tick:
+    with _progress_bar(True, None, 3, 1, executor) as (tick, _):
         executor.stats.update(worker_deaths=1, resubmitted=1)
         tick(True)
         tick(False)
@@ -127,3 +127,25 @@ def test_batch_progress_shows_failures_worker_deaths_and_resubmissions(capsys, m
     assert lines[1].startswith("gascan: batch shards  2/3  elapsed 0s  eta ")
     assert lines[-1].startswith("gascan: batch shards  3/3  done in 0s  1 failed  1 already done  1 worker deaths  "
                                 "1 resubmitted")
+
+
+def test_rich_bars_of_finished_stages_go_when_asked():
+    """A batch's terminal shows the running stages: with ``drop_finished`` a stage's bar is removed once it
+    is done (kept otherwise, as `gascan scan` keeps them); ``within`` names a part's stages after it."""
+    import rich.console
+    import rich.progress
+
+    from pipelines.progress import RichProgress, within
+
+    for drop in (True, False):
+        bar = rich.progress.Progress(console=rich.console.Console(file=io.StringIO()))
+        progress = within(RichProgress(bar, drop_finished=drop), "step-100")
+        progress("evidence", 0, 4)
+        progress("evidence", 2, 4)
+        assert [t.description for t in bar.tasks] == ["step-100: evidence"]
+        assert bar.tasks[0].completed == 2
+        progress("evidence", 4, 4)
+        progress("pairs", 1, 3)
+        assert [t.description for t in bar.tasks] == (["step-100: pairs"] if drop else
+                                                       ["step-100: evidence", "step-100: pairs"])
+    assert within(None, "step-100") is None

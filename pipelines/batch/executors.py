@@ -27,14 +27,17 @@ from discovery.errors import GascanError
 from pipelines.batch.shards import Shard, ShardOutcome
 from pipelines.batch.work import ModelCache, ShardFn, execute_shard
 from pipelines.options import LoadOptions
+from pipelines.progress import Progress
 
 
 class Executor(Protocol):
     """Runs shards and yields their outcomes in completion order. ``shards`` may be a list that the caller
     appends to while it reads the outcomes (a checkpoint's finish shard once its sweeps are done): the
-    executor runs what is appended too, on the workers it already has."""
+    executor runs what is appended too, on the workers it already has. ``progress`` hears each shard's
+    stages where the shard runs in this process (the serial executor); Ray actors report only their outcomes."""
 
-    def run(self, shards: Sequence[Shard], shard_fn: ShardFn, load: LoadOptions) -> Iterator[ShardOutcome]: ...
+    def run(self, shards: Sequence[Shard], shard_fn: ShardFn, load: LoadOptions,
+            progress: Progress | None = None) -> Iterator[ShardOutcome]: ...
 
     def describe(self) -> dict[str, Any]: ...
 
@@ -55,7 +58,8 @@ class SerialExecutor:
         self.threads = threads
         self.loads = 0
 
-    def run(self, shards: Sequence[Shard], shard_fn: ShardFn, load: LoadOptions) -> Iterator[ShardOutcome]:
+    def run(self, shards: Sequence[Shard], shard_fn: ShardFn, load: LoadOptions,
+            progress: Progress | None = None) -> Iterator[ShardOutcome]:
         cache = ModelCache(load, self.cache_size)  # a list grows while it is read: follow-ups run here too
         previous = None
         if self.threads is not None and shards:
@@ -70,7 +74,7 @@ class SerialExecutor:
                 index = next((i for i, s in enumerate(pending) if s.checkpoint.name == held), 0)
                 shard = pending.pop(index)  # the loaded model's shards first, as on a Ray actor
                 held = shard.checkpoint.name
-                yield execute_shard(shard_fn, shard, cache)
+                yield execute_shard(shard_fn, shard, cache, progress)
         finally:
             self.loads += cache.loads
             if previous is not None:
@@ -93,7 +97,7 @@ class ShardWorker:
         return os.getpid()
 
     def run(self, shard: Shard) -> ShardOutcome:
-        return execute_shard(self.shard_fn, shard, self.cache)
+        return execute_shard(self.shard_fn, shard, self.cache, None)
 
 
 @dataclass
@@ -176,7 +180,9 @@ class RayExecutor:
         wanted = self.workers or fit
         return max(1, min(wanted, n_shards))
 
-    def run(self, shards: Sequence[Shard], shard_fn: ShardFn, load: LoadOptions) -> Iterator[ShardOutcome]:
+    def run(self, shards: Sequence[Shard], shard_fn: ShardFn, load: LoadOptions,
+            progress: Progress | None = None) -> Iterator[ShardOutcome]:
+        """``progress`` is not passed to the actors (their shards report only their outcomes)."""
         if not shards:
             return
         import ray

@@ -36,6 +36,7 @@ from pipelines.batch.shards import (
 from pipelines.batch.spec import BatchSpec, Checkpoint, gascan_version
 from pipelines.batch.work import ShardFn, scan_shard
 from pipelines.options import AFTER_SWEEP_SETTINGS, TABLE_VERSION
+from pipelines.progress import Progress
 
 REPORT_FILES = ("report.md", "report.html", "figures")
 
@@ -94,12 +95,12 @@ def run_batch(spec: BatchSpec, out: str | os.PathLike, executor=None, *, shard_f
 
         ran = 0
         skip_files = () if reports else REPORT_FILES
-        with _progress_bar(progress, console, total, skipped, executor) as tick:
+        with _progress_bar(progress, console, total, skipped, executor) as (tick, stages):
             for name, count in outstanding.items():
                 if count == 0:
                     follow_up(name)
             # the executor reads ``queue`` as it goes: a finish shard appended here runs on the same workers
-            with contextlib.closing(executor.run(queue, shard_fn, spec.load)) as outcomes:
+            with contextlib.closing(executor.run(queue, shard_fn, spec.load, progress=stages)) as outcomes:
                 for outcome in outcomes:
                     shard = outcome.shard
                     if outcome.ok:
@@ -140,10 +141,13 @@ def _finish_shard(out: Path, spec: BatchSpec, own: list[Shard]) -> Shard | None:
 
 
 @contextlib.contextmanager
-def _progress_bar(enabled: bool, console, total: int, skipped: int, executor=None) -> Iterator[Callable[..., None]]:
-    """One line of progress for the whole batch (:mod:`pipelines.progress`: a rich bar in a terminal,
-    plain log lines otherwise): shards done (skipped ones count as done), failed, already done, and the
-    executor's worker deaths and resubmissions when it counts them (Ray)."""
+def _progress_bar(enabled: bool, console, total: int, skipped: int, executor=None
+                  ) -> Iterator[tuple[Callable[..., None], Progress]]:
+    """Progress of the whole batch (:mod:`pipelines.progress`: rich bars in a terminal, plain log lines
+    otherwise): ``tick``, which counts shards done (skipped ones count as done), failed, already done, and
+    the executor's worker deaths and resubmissions when it counts them (Ray); and the reporter itself, for
+    the stages of shards that run in this process (``CHECKPOINT: stage``; in a terminal a stage's bar goes
+    when it is done)."""
     from pipelines.progress import reporter
 
     failed = [0]
@@ -156,7 +160,7 @@ def _progress_bar(enabled: bool, console, total: int, skipped: int, executor=Non
             text += f"  {stats['worker_deaths']} worker deaths  {stats.get('resubmitted', 0)} resubmitted"
         return text
 
-    with reporter(console, enabled=enabled, status=status) as progress:
+    with reporter(console, enabled=enabled, status=status, drop_finished=True) as progress:
         progress("batch shards", done[0], total)
 
         def tick(ok: bool, count: int = 1) -> None:
@@ -165,7 +169,7 @@ def _progress_bar(enabled: bool, console, total: int, skipped: int, executor=Non
             done[0] += count
             progress("batch shards", done[0], total)
 
-        yield tick
+        yield tick, progress
 
 
 def _checkpoint_frames(out: Path, shards: list[Shard]) -> tuple[list[pl.LazyFrame], list[dict[str, Any]]]:

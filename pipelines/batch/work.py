@@ -16,6 +16,7 @@ from discovery.errors import GascanError
 from pipelines.batch.shards import Shard, ShardOutcome, ShardResult, check_rows
 from pipelines.batch.spec import Checkpoint
 from pipelines.options import LoadOptions
+from pipelines.progress import Progress, within
 
 
 class ModelCache:
@@ -58,13 +59,14 @@ def _free_memory() -> None:
             torch.cuda.empty_cache()
 
 
-def scan_shard(shard: Shard, cache: ModelCache) -> ShardResult:
+def scan_shard(shard: Shard, cache: ModelCache, progress: Progress | None = None) -> ShardResult:
     """The default shard function: a sweep shard scans one task on one layer range of a (cached)
-    model; a finish shard runs the pipeline's later stages (:func:`finish_checkpoint`)."""
+    model; a finish shard runs the pipeline's later stages (:func:`finish_checkpoint`). ``progress``
+    (the serial executor's; None on a Ray actor) hears the shard's stages as ``CHECKPOINT: stage``."""
     from pipelines.sweep import scan_task
 
     if shard.stage == "finish":
-        return finish_checkpoint(shard, cache)
+        return finish_checkpoint(shard, cache, progress)
     lm = cache.get(shard.checkpoint)
     if lm.checkpoint_hash() != shard.checkpoint_hash:
         raise GascanError(f"checkpoint {shard.checkpoint.spec} changed after the batch was planned",
@@ -72,20 +74,22 @@ def scan_shard(shard: Shard, cache: ModelCache) -> ShardResult:
     if shard.n_layers is not None and lm.inventory.n_layers != shard.n_layers:
         raise GascanError(f"{shard.checkpoint.spec} has {lm.inventory.n_layers} layers, its config "
                           f"{shard.n_layers}", "drop layers_per_shard for this model")
-    frame, summary = scan_task(lm, shard.task, shard.scan_options(), layers=shard.layer_list())
+    frame, summary = scan_task(lm, shard.task, shard.scan_options(), layers=shard.layer_list(),
+                               progress=within(progress, shard.checkpoint.name))
     info = {"model": lm.name, "spec": lm.spec, "architecture": lm.inventory.architecture,
             "n_layers": lm.inventory.n_layers, "n_heads": lm.inventory.n_heads()}
     return ShardResult(frame, summary, info)
 
 
-ShardFn = Callable[[Shard, ModelCache], ShardResult]
+ShardFn = Callable[[Shard, ModelCache, Progress | None], ShardResult]
 
 
-def execute_shard(shard_fn: ShardFn, shard: Shard, cache: ModelCache) -> ShardOutcome:
+def execute_shard(shard_fn: ShardFn, shard: Shard, cache: ModelCache,
+                  progress: Progress | None = None) -> ShardOutcome:
     """Run one shard where it is (driver or worker); an exception fails this shard, not the batch."""
     started = time.perf_counter()
     try:
-        result = shard_fn(shard, cache)
+        result = shard_fn(shard, cache, progress)
         check_rows(shard, result.frame)
     except Exception as err:  # noqa: BLE001 - any error in user data or a model fails only this shard
         message = " ".join(f"{type(err).__name__}: {err}".split())[:500]
@@ -98,7 +102,7 @@ def execute_shard(shard_fn: ShardFn, shard: Shard, cache: ModelCache) -> ShardOu
 
 
 
-def finish_checkpoint(shard: Shard, cache: ModelCache) -> ShardResult:
+def finish_checkpoint(shard: Shard, cache: ModelCache, progress: Progress | None = None) -> ShardResult:
     """The finish shard: the merged sweep tables into a private scan directory, then
     :func:`pipelines.pipeline.finish` there (evidence, pairs, verdict, report) with the cached model;
     returns every file of that directory, which the driver writes into the checkpoint's directory."""
@@ -123,7 +127,7 @@ def finish_checkpoint(shard: Shard, cache: ModelCache) -> ShardResult:
         seconds = sum(float(t.get("seconds") or 0) for t in (summary.get("tasks") or {}).values())
         resume.commit(tmp, "sweep", pipeline.STAGES, None, [HEADS_FILE], Cost(wall_s=seconds), None,
                       resume.new_run_id(), sharded=True)
-        result = pipeline.finish(lm, tmp, report=True)
+        result = pipeline.finish(lm, tmp, report=True, progress=within(progress, shard.checkpoint.name))
         root = Path(tmp)
         files = {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
                  if p.is_file() and not p.name.startswith(".")}
