@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pipelines.progress import PlainProgress, duration, eta_seconds, interval_from_env, reporter
+from pipelines.progress import PlainProgress, duration, eta_seconds, interval_from_env, reporter, within
 
 ROOT = Path(__file__).resolve().parents[1]
 ANSI = re.compile(r"\x1b\[")
@@ -135,7 +135,7 @@ def test_rich_bars_of_finished_stages_go_when_asked():
     import rich.console
     import rich.progress
 
-    from pipelines.progress import RichProgress, within
+    from pipelines.progress import RichProgress
 
     for drop in (True, False):
         bar = rich.progress.Progress(console=rich.console.Console(file=io.StringIO()))
@@ -149,3 +149,58 @@ def test_rich_bars_of_finished_stages_go_when_asked():
         assert [t.description for t in bar.tasks] == (["step-100: pairs"] if drop else
                                                        ["step-100: evidence", "step-100: pairs"])
     assert within(None, "step-100") is None
+
+
+def test_a_piped_ray_batch_forwards_its_actors_stage_lines_uncoloured(tmp_path):
+    """Off a terminal, ``gascan batch --executor ray`` shows what each actor's shards are doing: every stage's
+    plain lines reach the driver's stderr through Ray's log forwarding, prefixed with the actor's pid and
+    without Ray's colour codes (a real local Ray cluster, started by the command)."""
+    spec = tmp_path / "spec.toml"
+    spec.write_text('models = ["tiny:llama"]\ntasks = ["mc"]\n[scan]\nprompts = 8\nbootstrap = 20\n')
+    env = {**os.environ, "GASCAN_PROGRESS_INTERVAL": "0", "PYTHONPATH": str(ROOT), "TERM": "dumb",
+           "RAY_AUTH_MODE": "disabled"}
+    env.pop("RAY_COLOR_PREFIX", None)
+    proc = subprocess.run([sys.executable, "-m", "pipelines.cli", "batch", str(spec), "--out", str(tmp_path / "out"),
+                           "--executor", "ray", "--workers", "1", "--no-report"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, check=False, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    err = proc.stderr
+    assert not ANSI.search(err)
+    actor = r"\(ShardWorker pid=\d+\) gascan: tiny-llama"
+    for stage in ("ablation \\(all\\)", "position effects", "pairs: verification \\(joint \\+ controls\\)"):
+        assert re.search(rf"^{actor}: {stage}  0/\d+  started$", err, re.MULTILINE), (stage, err[-2000:])
+        assert re.search(rf"^{actor}: {stage}  (\d+)/\1  done in \d+s$", err, re.MULTILINE), (stage, err[-2000:])
+    assert re.search(r"^gascan: batch shards  2/2  done in \d+s", err, re.MULTILINE)
+
+
+def test_a_ray_actor_prints_its_shards_stages_only_when_asked(capsys, monkeypatch):
+    """The body of a Ray actor, called here directly (in a terminal the driver asks its actors for no lines:
+    they would break its bars): with ``stage_lines`` its shard's stages are plain lines named by the
+    checkpoint; without, it is silent and the shard function gets no progress."""
+    import polars as pl
+
+    from pipelines.batch.executors import ShardWorker
+    from pipelines.batch.shards import Shard, ShardResult
+    from pipelines.batch.spec import Checkpoint
+    from pipelines.options import LoadOptions
+
+    monkeypatch.setenv("GASCAN_PROGRESS_INTERVAL", "0")
+    seen = []
+
+    def shard_fn(shard, cache, progress):
+        seen.append(progress)
+        report = within(progress, shard.checkpoint.name)
+        if report is not None:
+            report("evidence", 0, 2)
+            report("evidence", 2, 2)
+        return ShardResult(pl.DataFrame(), {}, {})
+
+    shard = Shard(Checkpoint("step-100", "tiny:llama", 100), "0" * 16, "*", {}, None, None, "1" * 64,
+                  stage="finish")
+    worker = ShardWorker(shard_fn, LoadOptions())
+    assert worker.run(shard, stage_lines=True).ok
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "gascan: step-100: evidence  0/2  started"
+    assert re.fullmatch(r"gascan: step-100: evidence  2/2  done in \d+s", lines[1])
+    assert worker.run(shard).ok and capsys.readouterr().err == ""
+    assert seen[0] is not None and seen[1] is None

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
@@ -34,7 +35,7 @@ class Executor(Protocol):
     """Runs shards and yields their outcomes in completion order. ``shards`` may be a list that the caller
     appends to while it reads the outcomes (a checkpoint's finish shard once its sweeps are done): the
     executor runs what is appended too, on the workers it already has. ``progress`` hears each shard's
-    stages where the shard runs in this process (the serial executor); Ray actors report only their outcomes."""
+    stages: in this process (the serial executor), or as lines that Ray forwards from its actors."""
 
     def run(self, shards: Sequence[Shard], shard_fn: ShardFn, load: LoadOptions,
             progress: Progress | None = None) -> Iterator[ShardOutcome]: ...
@@ -96,8 +97,13 @@ class ShardWorker:
     def pid(self) -> int:
         return os.getpid()
 
-    def run(self, shard: Shard) -> ShardOutcome:
-        return execute_shard(self.shard_fn, shard, self.cache, None)
+    def run(self, shard: Shard, stage_lines: bool = False) -> ShardOutcome:
+        """One shard; ``stage_lines``: its stages as plain progress lines on this process's stderr, which Ray
+        forwards to the driver (prefixed with the actor's pid)."""
+        from pipelines.progress import reporter
+
+        with reporter(enabled=stage_lines, plain=True) as progress:
+            return execute_shard(self.shard_fn, shard, self.cache, progress if stage_lines else None)
 
 
 @dataclass
@@ -182,10 +188,16 @@ class RayExecutor:
 
     def run(self, shards: Sequence[Shard], shard_fn: ShardFn, load: LoadOptions,
             progress: Progress | None = None) -> Iterator[ShardOutcome]:
-        """``progress`` is not passed to the actors (their shards report only their outcomes)."""
+        """Off a terminal (the driver's stderr), a ``progress`` makes each actor print its shards' stages as
+        plain lines, which Ray forwards to the driver; in a terminal the actors are quiet (their lines would
+        break the driver's bars) and the driver's bar counts shards."""
         if not shards:
             return
         import ray
+
+        stage_lines = progress is not None and not sys.stderr.isatty()
+        if stage_lines:  # Ray colours the "(ShardWorker pid=N)" prefix of forwarded lines unless told not to
+            os.environ.setdefault("RAY_COLOR_PREFIX", "0")
 
         started_here = self._connect()
         if self.gpus_per_worker > 0 and load.device == "cpu":
@@ -209,7 +221,7 @@ class RayExecutor:
                 for wid, slot in slots.items():
                     while pending and len(slot.queue) < self.in_flight_per_worker:
                         shard = self._pick(pending, slot, slots)
-                        ref = slot.actor.run.remote(shard)
+                        ref = slot.actor.run.remote(shard, stage_lines)
                         slot.queue.append((ref, shard))
                         slot.model = shard.checkpoint.name
                         in_flight[ref] = wid
