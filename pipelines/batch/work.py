@@ -62,7 +62,8 @@ def _free_memory() -> None:
 def scan_shard(shard: Shard, cache: ModelCache, progress: Progress | None = None) -> ShardResult:
     """The default shard function: a sweep shard scans one task on one layer range of a (cached)
     model; a finish shard runs the pipeline's later stages (:func:`finish_checkpoint`). ``progress``
-    (the serial executor's; None on a Ray actor) hears the shard's stages as ``CHECKPOINT: stage``."""
+    (the serial executor's, or a Ray actor's plain lines off a terminal) hears the shard's stages as
+    ``CHECKPOINT: stage``."""
     from pipelines.sweep import scan_task
 
     if shard.stage == "finish":
