@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
@@ -28,7 +27,7 @@ from discovery.errors import GascanError
 from pipelines.batch.shards import Shard, ShardOutcome
 from pipelines.batch.work import ModelCache, ShardFn, execute_shard
 from pipelines.options import LoadOptions
-from pipelines.progress import Progress
+from pipelines.progress import PlainProgress, Progress, reporter
 
 
 class Executor(Protocol):
@@ -100,10 +99,10 @@ class ShardWorker:
     def run(self, shard: Shard, stage_lines: bool = False) -> ShardOutcome:
         """One shard; ``stage_lines``: its stages as plain progress lines on this process's stderr, which Ray
         forwards to the driver (prefixed with the actor's pid)."""
-        from pipelines.progress import reporter
-
-        with reporter(enabled=stage_lines, plain=True) as progress:
-            return execute_shard(self.shard_fn, shard, self.cache, progress if stage_lines else None)
+        if not stage_lines:
+            return execute_shard(self.shard_fn, shard, self.cache, None)
+        with reporter(plain=True) as progress:
+            return execute_shard(self.shard_fn, shard, self.cache, progress)
 
 
 @dataclass
@@ -188,14 +187,14 @@ class RayExecutor:
 
     def run(self, shards: Sequence[Shard], shard_fn: ShardFn, load: LoadOptions,
             progress: Progress | None = None) -> Iterator[ShardOutcome]:
-        """Off a terminal (the driver's stderr), a ``progress`` makes each actor print its shards' stages as
-        plain lines, which Ray forwards to the driver; in a terminal the actors are quiet (their lines would
-        break the driver's bars) and the driver's bar counts shards."""
+        """Where ``progress`` is plain lines (the driver's stderr is not a terminal), each actor prints its
+        shards' stages as plain lines too, which Ray forwards to the driver; under rich bars the actors are
+        quiet (their lines would break the bars) and the driver's bar counts shards."""
         if not shards:
             return
         import ray
 
-        stage_lines = progress is not None and not sys.stderr.isatty()
+        stage_lines = isinstance(progress, PlainProgress)
         if stage_lines:  # Ray colours the "(ShardWorker pid=N)" prefix of forwarded lines unless told not to
             os.environ.setdefault("RAY_COLOR_PREFIX", "0")
 

@@ -100,8 +100,7 @@ def run_batch(spec: BatchSpec, out: str | os.PathLike, executor=None, *, shard_f
                 if count == 0:
                     follow_up(name)
             # the executor reads ``queue`` as it goes: a finish shard appended here runs on the same workers
-            with contextlib.closing(executor.run(queue, shard_fn, spec.load,
-                                                  progress=stages if progress else None)) as outcomes:
+            with contextlib.closing(executor.run(queue, shard_fn, spec.load, progress=stages)) as outcomes:
                 for outcome in outcomes:
                     shard = outcome.shard
                     if outcome.ok:
