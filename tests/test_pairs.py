@@ -198,3 +198,43 @@ def test_tested_pairs_from_the_same_layers_share_their_controls(planted):
     both = [p for p in pool_1 if second not in p]  # pool_1's controls that pool_2 may hold too
     assert [p for p in pool_2 if first not in p] == both  # ... it holds them all, in the same order
     assert len(set(pool_1) | set(pool_2)) <= 50 + 15 < 100  # 65 distinct ablations, not 100
+
+
+def test_verification_goes_to_the_pairs_that_can_be_ga_pairs():
+    """With the evidence stage's roles, only pairs whose two heads have their G&A roles are verified (the top
+    ``k`` of them, in rank order); without such a pair the top pair alone; without roles the top ``k``."""
+    from discovery.rank.pairs import verification_choice
+
+    def row(rank: int, g: str | None, a: str | None) -> dict:
+        return {"rank": rank, "gather_role": g, "aggregate_role": a}
+
+    rows = [row(1, "other_important", "aggregate"), row(2, "gather", "aggregate"), row(3, "none", "aggregate"),
+            row(4, "gather", "aggregate"), row(5, "gather", "other_important")]
+    assert [r["rank"] for r in verification_choice(rows, 3)] == [2, 4]
+    assert [r["rank"] for r in verification_choice(rows, 1)] == [2]
+    no_ga = [row(1, "other_important", "aggregate"), row(2, "gather", "none")]
+    assert [r["rank"] for r in verification_choice(no_ga, 3)] == [1]
+    no_roles = [row(i, None, None) for i in (1, 2, 3, 4)]
+    assert [r["rank"] for r in verification_choice(no_roles, 3)] == [1, 2, 3]
+    assert verification_choice([], 3) == []
+
+
+def test_a_pair_without_ga_roles_is_ranked_but_not_verified(planted):
+    """On the planted circuit with an important head beside the true gather head (roles as the evidence stage
+    writes them), the pair table ranks both gather heads' pairs, the joint ablation and its controls run for
+    the G&A pair only, and the budget record counts one pair of one to verify."""
+    from discovery.evidence.budget import Ledger
+
+    circuit, heads, summary, batch, _ = planted
+    roles = {(0, 3): "gather", (3, 0): "aggregate", (1, 1): "other_important"}
+    frame = heads.with_columns(role=pl.Series([roles.get((r["layer"], r["head"]), "none")
+                                               for r in heads.iter_rows(named=True)]))
+    ledger = Ledger(None)
+    table, _ = rank_pairs(circuit.lm, batch, frame, k=3, summary=summary, n_gather=2, n_aggregate=1,
+                          control_draws=19, bootstrap=100, ledger=ledger)
+    tested = table.filter(pl.col("control_n").is_not_null())
+    assert table.height >= 2
+    assert tested.select("gather_layer", "gather_head", "aggregate_layer", "aggregate_head").rows() == [(0, 3, 3, 0)]
+    assert tested["verified"].to_list() == [True] and tested["control_n"].to_list() == [19]
+    part = next(p for p in ledger.record()["parts"] if p["part"] == "pairs (verification)")
+    assert (part["pairs"], part["of"]) == (1, 1)

@@ -25,9 +25,11 @@ For one task's batch and head table:
    pair, by score, before any gather head's second, so a redundant set of aggregate heads does not fill
    the verified top ``k`` with one gather head (the hybrid toy's true gather head came 7th behind one
    layer-0 SSM head paired with each of five aggregate heads; it now comes 2nd and is verified).
-3. **Verification** of the top ``k``: the joint ablation (both heads zeroed at all positions, through the
-   ablation engine) against a control of random pairs of the same kinds, neither head one of the pair's,
-   the control's gather layer before its aggregate layer: from the pair's own two layers, and where those
+3. **Verification** of the top ``k`` pairs whose two heads both have their G&A roles by the evidence
+   stage (:func:`verification_choice`; the top pair alone when none has, the top ``k`` without the stage):
+   the joint ablation (both heads zeroed at all positions, through the ablation engine) against a control
+   of random pairs of the same kinds, neither head one of the pair's, the control's gather layer before its
+   aggregate layer: from the pair's own two layers, and where those
    hold fewer than ``MIN_CONTROLS`` (19) such pairs, from neighbouring layer pairs too (both layers within
    ±1 of the pair's, then ±2, ...; the ``control_layers`` column says how far). Up to ``control_draws``
    controls, nearest layers first, drawn (seeded) without replacement within each distance, in one random
@@ -65,7 +67,7 @@ from discovery.heads import HeadId
 from discovery.measure.ablation import Ablation, AblationEngine, Progress, mediated_share, stage_ticker
 from discovery.measure.metrics import selection
 from discovery.rank.classifier import attach_clean, head_features, load_classifier, spread_by_gather
-from discovery.rank.verdict import MIN_CONTROLS, is_ga_pair, verified_flag
+from discovery.rank.verdict import MIN_CONTROLS, has_ga_roles, is_ga_pair, verified_flag
 from discovery.stats import bootstrap_ci
 
 PAIR_COLUMNS = (
@@ -251,18 +253,32 @@ def rank_pairs(lm: Any, batch: Any, heads_frame: pl.DataFrame, k: int = 3, *, su
         r["rank"] = rank
     ledger.charge("pairs (ranking)", allowed, ranking_cost(candidates), **ranking_note)
     # verification keeps its controls (they are the test's statistics); the budget verifies fewer top pairs
+    chosen = verification_choice(rows, k)
     allowed = ledger.allowance("pairs")
-    n_top, cost, fits = fit(list(range(min(k, len(rows)), 0, -1)), lambda n: engine.predicted_forward_equivalents(
-        _verify_ablations(engine, rows[:n], candidates, control_draws, seed)[0]), allowed)
-    ledger.charge("pairs (verification)", allowed, cost, pairs=n_top, of=min(k, len(rows)), controls=control_draws,
+    n_top, cost, fits = fit(list(range(len(chosen), 0, -1)), lambda n: engine.predicted_forward_equivalents(
+        _verify_ablations(engine, chosen[:n], candidates, control_draws, seed)[0]), allowed)
+    ledger.charge("pairs (verification)", allowed, cost, pairs=n_top, of=len(chosen), controls=control_draws,
                   fits=fits)
-    _verify(engine, rows[:n_top], candidates, control_draws, bootstrap, seed, progress)
+    _verify(engine, chosen[:n_top], candidates, control_draws, bootstrap, seed, progress)
     for r in rows:
         r.pop("_pair")
     table = pl.DataFrame(rows, infer_schema_length=None)
     table = table.select([c for c in PAIR_COLUMNS if c in table.columns])
     fields["top_pairs"] = [_pair_summary(r) for r in rows[:k]]
     return table, fields
+
+
+def verification_choice(rows: Sequence[dict[str, Any]], k: int) -> list[dict[str, Any]]:
+    """The ranked pairs whose joint ablation is tested, best first: the top ``k`` whose two heads have
+    their G&A roles by the evidence stage (:func:`~discovery.rank.verdict.has_ga_roles`; only such a pair
+    can enter the verdict as G&A), or, when none has, the top pair alone (the verdict says whether it
+    beats the controls as important heads). Without the evidence stage's roles, the top ``k``. On
+    Gemma3-270M two of the three top pairs joined an ``other_important`` gather head to the aggregate
+    head: their controls cost two thirds of the verification and could not change the verdict."""
+    if not any(r.get("gather_role") is not None or r.get("aggregate_role") is not None for r in rows):
+        return list(rows[:k])
+    eligible = [r for r in rows if has_ga_roles(r.get("gather_role"), r.get("aggregate_role"))]
+    return eligible[:k] if eligible else list(rows[:1])
 
 
 def control_pool(inv: Any, g: HeadId, a: HeadId, draws: int, seed: int = 0
