@@ -12,7 +12,9 @@ it is shown from ``sys.stderr.isatty()``:
       gascan: ablation (all)  120/270  elapsed 41s  eta 52s
 
 An interval of 0 prints a line on every update. ``status`` (optional) is extra text for each line
-(``gascan batch``: failed shards, worker deaths, resubmissions).
+(``gascan batch``: failed shards, worker deaths, resubmissions). ``eta_for`` (optional) maps a stage to a
+better forecast of its time left than the rate so far (``gascan batch``: shards weighted by their predicted
+seconds, :mod:`pipelines.batch.forecast`); it returns None when it cannot tell.
 """
 from __future__ import annotations
 
@@ -21,12 +23,13 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TextIO
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 Status = Callable[[], str]
+Forecasts = Mapping[str, Callable[[], "float | None"]]  # stage -> seconds left (None: unknown)
 
 INTERVAL_ENV = "GASCAN_PROGRESS_INTERVAL"
 DEFAULT_INTERVAL = 30.0
@@ -79,8 +82,9 @@ class PlainProgress:
 
     def __init__(self, stream: TextIO | None = None, *, interval: float | None = None,
                  clock: Callable[[], float] = time.monotonic, prefix: str = "gascan",
-                 status: Status | None = None) -> None:
+                 status: Status | None = None, eta_for: Forecasts | None = None) -> None:
         self.stream = stream
+        self.eta_for = dict(eta_for or {})
         self.interval = interval_from_env() if interval is None else max(0.0, interval)
         self.clock = clock
         self.prefix = prefix
@@ -123,7 +127,8 @@ class PlainProgress:
             parts.append(note)
         else:
             elapsed = now - state.started
-            eta = eta_seconds(elapsed, state.done, state.total, state.base)
+            forecast = self.eta_for.get(stage)
+            eta = forecast() if forecast is not None else eta_seconds(elapsed, state.done, state.total, state.base)
             parts += [f"elapsed {duration(elapsed)}", f"eta {'?' if eta is None else duration(eta)}"]
         extra = self.status() if self.status is not None else ""
         if extra:
@@ -141,16 +146,19 @@ class RichProgress:
     stage's bar goes once it is done (a batch runs many checkpoints' stages: kept, they would push the
     running ones off the screen)."""
 
-    def __init__(self, bar: Any, status: Status | None = None, drop_finished: bool = False) -> None:
+    def __init__(self, bar: Any, status: Status | None = None, drop_finished: bool = False,
+                 eta_for: Forecasts | None = None) -> None:
         self.bar = bar
         self.status = status
         self.drop_finished = drop_finished
+        self.eta_for = dict(eta_for or {})
         self.ids: dict[str, Any] = {}
 
     def __call__(self, stage: str, done: int, total: int) -> None:
         fields = {"status": self.status() if self.status is not None else ""}
         if stage not in self.ids:
-            self.ids[stage] = self.bar.add_task(stage, total=total, completed=done, **fields)
+            self.ids[stage] = self.bar.add_task(stage, total=total, completed=done, forecast=self.eta_for.get(stage),
+                                                **fields)
         self.bar.update(self.ids[stage], completed=done, total=total, **fields)
         if self.drop_finished and done >= total:
             self.bar.remove_task(self.ids.pop(stage))
@@ -170,22 +178,39 @@ def _rich_bar(console: Any):
         TimeElapsedColumn,
         TimeRemainingColumn,
     )
+    from rich.text import Text
+
+    class ForecastColumn(TimeRemainingColumn):
+        """Time left: the stage's forecast (``eta_for``) when it has one, asked at every refresh so it counts
+        down between updates; else rich's rate so far."""
+
+        def render(self, task: Any) -> Any:
+            forecast = task.fields.get("forecast")
+            if forecast is None:
+                return super().render(task)
+            left = forecast()
+            if left is None:
+                return Text("-:--:--", style="progress.remaining")
+            minutes, seconds = divmod(round(left), 60)
+            hours, minutes = divmod(minutes, 60)
+            return Text(f"{hours:d}:{minutes:02d}:{seconds:02d}", style="progress.remaining")
 
     columns = (TextColumn("{task.description:<22}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-               TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[status]}"))
+               TextColumn("eta"), ForecastColumn(), TextColumn("{task.fields[status]}"))
     return Progress(*columns, console=console or Console(stderr=True, emoji=False), transient=False)
 
 
 @contextlib.contextmanager
 def reporter(console: Any = None, *, enabled: bool = True, plain: bool | None = None,
              stream: TextIO | None = None, interval: float | None = None,
-             status: Status | None = None, drop_finished: bool = False) -> Iterator[Progress]:
+             status: Status | None = None, drop_finished: bool = False,
+             eta_for: Forecasts | None = None) -> Iterator[Progress]:
     """The ``progress(stage, done, total)`` callback for a block of long work.
 
     Rich bars (on ``console``, default a stderr console) when stderr is a terminal, plain lines on
     ``stream`` (default stderr) otherwise; ``plain`` forces the choice, ``enabled=False`` reports
     nothing. Plain lines keep coming every ``interval`` seconds while a stage runs; ``drop_finished``
-    removes a rich bar once its stage is done.
+    removes a rich bar once its stage is done; ``eta_for`` gives stages their own forecast of the time left.
     """
     if not enabled:
         yield _quiet
@@ -194,9 +219,9 @@ def reporter(console: Any = None, *, enabled: bool = True, plain: bool | None = 
         plain = not sys.stderr.isatty()
     if not plain:
         with _rich_bar(console) as bar:
-            yield RichProgress(bar, status, drop_finished)
+            yield RichProgress(bar, status, drop_finished, eta_for)
         return
-    lines = PlainProgress(stream, interval=interval, status=status)
+    lines = PlainProgress(stream, interval=interval, status=status, eta_for=eta_for)
     stop = threading.Event()
     thread = None
     if lines.interval > 0:

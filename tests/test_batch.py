@@ -560,3 +560,28 @@ def test_a_new_budget_keys_only_the_finish_shards(series):
     finish = finish_shard_for(shards[:1], b"", {})
     assert finish.key != finish_shard_for(other[:1], b"", {}).key
     assert finish.key == finish_shard_for(plan_shards(spec)[:1], b"", {}).key
+
+
+def test_the_batch_bar_shows_the_forecasts_time_left(series, tmp_path, monkeypatch, capsys):
+    """run_batch tells its forecast (:mod:`pipelines.batch.forecast`) every shard it plans and every shard that
+    ends, with the shard's measured seconds, and the plain batch line prints the forecast's time left."""
+    import pipelines.batch.run as batch_run
+    from pipelines.batch.forecast import Forecast
+
+    ended: list[tuple[str, float | None]] = []
+
+    class Recording(Forecast):
+        def finished(self, shard, seconds, now):
+            ended.append((shard.key, seconds))
+            super().finished(shard, seconds, now)
+
+        def eta(self, now):
+            return 4242.0
+
+    monkeypatch.setattr(batch_run, "Forecast", Recording)
+    monkeypatch.setenv("GASCAN_PROGRESS_INTERVAL", "0")
+    spec = _fake_spec(series)
+    result = run_batch(spec, tmp_path / "out", finish=False, shard_fn=FakeScan(str(tmp_path / "log")), reports=False)
+    assert result.ran == 18 and len(ended) == 18 and all(s is not None and s >= 0 for _, s in ended)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("gascan: batch shards")]
+    assert "gascan: batch shards  1/18" in lines[1] and lines[1].split("  ")[3] == "eta 1h10m"

@@ -151,6 +151,26 @@ def test_rich_bars_of_finished_stages_go_when_asked():
     assert within(None, "step-100") is None
 
 
+def test_a_rich_bar_with_a_forecast_shows_its_time_left():
+    """In a terminal the batch bar's eta column asks the stage's forecast at each refresh (so it counts down
+    between shards): 4242 s reads 1:10:42, no forecast yet reads -:--:--; other bars keep rich's own."""
+    import rich.console
+
+    from pipelines.progress import RichProgress, _rich_bar
+
+    left: list[float | None] = [4242.0]
+    bar = _rich_bar(rich.console.Console(file=io.StringIO(), force_terminal=True, width=150))
+    progress = RichProgress(bar, eta_for={"batch shards": lambda: left[0]})
+    progress("batch shards", 1, 3)
+    progress("sweep", 0, 10)
+    column = bar.columns[5]
+    batch_task, sweep_task = bar.tasks
+    assert column.render(batch_task).plain == "1:10:42"
+    left[0] = None
+    assert column.render(batch_task).plain == "-:--:--"
+    assert column.render(sweep_task).plain == "-:--:--"  # rich's: no rate yet
+
+
 def test_a_piped_ray_batch_forwards_its_actors_stage_lines_uncoloured(tmp_path):
     """Off a terminal, ``gascan batch --executor ray`` shows what each actor's shards are doing: every stage's
     plain lines reach the driver's stderr through Ray's log forwarding, prefixed with the actor's pid and

@@ -13,7 +13,7 @@ import io
 import json
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -21,6 +21,7 @@ from typing import Any
 import polars as pl
 
 from discovery.artifacts import jsonable
+from pipelines.batch.forecast import Forecast, finish_seconds
 from pipelines.batch.series import series_rows, write_series
 from pipelines.batch.shards import (
     ROW_KEYS,
@@ -39,6 +40,7 @@ from pipelines.options import AFTER_SWEEP_SETTINGS, TABLE_VERSION
 from pipelines.progress import Progress
 
 REPORT_FILES = ("report.md", "report.html", "figures")
+BATCH_STAGE = "batch shards"  # the batch bar's stage name
 
 
 @dataclass
@@ -80,22 +82,27 @@ def run_batch(spec: BatchSpec, out: str | os.PathLike, executor=None, *, shard_f
         total = len(shards) + (len(by_checkpoint) if finish else 0)
         skipped = len(shards) - len(queue)
         outstanding = {name: sum(1 for s in queue if s.checkpoint.name == name) for name in by_checkpoint}
+        forecast = _forecast(out_dir, shards, queue, by_checkpoint if finish else {})
 
         def follow_up(name: str) -> None:
             """Queue a checkpoint's finish shard once its sweep shards are all complete."""
             nonlocal skipped
-            shard = _finish_shard(out_dir, spec, by_checkpoint[name]) if finish else None
-            if shard is None:
+            planned = _finish_shard(out_dir, spec, by_checkpoint[name]) if finish else None
+            if planned is None:  # a sweep shard failed (or finish is off): no finish for this checkpoint
+                forecast.dropped(name)
                 return
+            shard, seconds, sweep_seconds = planned
             if read_marker(out_dir, shard) is None:
                 queue.append(shard)
+                forecast.queued_finish(shard, seconds, sweep_seconds)
             else:
+                forecast.dropped(name)
                 skipped += 1
                 tick(True)
 
         ran = 0
         skip_files = () if reports else REPORT_FILES
-        with _progress_bar(progress, console, total, skipped, executor) as (tick, stages):
+        with _progress_bar(progress, console, total, skipped, executor, forecast) as (tick, stages):
             for name, count in outstanding.items():
                 if count == 0:
                     follow_up(name)
@@ -111,6 +118,7 @@ def run_batch(spec: BatchSpec, out: str | os.PathLike, executor=None, *, shard_f
                                          "task": shard.task, "layers": list(shard.layers) if shard.layers else None,
                                          "attempts": outcome.attempts, "crashed": outcome.crashed,
                                          "reason": outcome.error})
+                    forecast.finished(shard, outcome.result.seconds if outcome.ok else None, time.monotonic())
                     tick(outcome.ok)
                     if shard.stage == "sweep":
                         outstanding[shard.checkpoint.name] -= 1
@@ -128,8 +136,23 @@ def _by_checkpoint(shards: Sequence[Shard]) -> dict[str, list[Shard]]:
     return out
 
 
-def _finish_shard(out: Path, spec: BatchSpec, own: list[Shard]) -> Shard | None:
-    """The finish shard of a checkpoint, once every one of its sweep shards is complete."""
+def _forecast(out: Path, shards: Sequence[Shard], queue: Sequence[Shard], finishing: Mapping[str, Any]) -> Forecast:
+    """The batch bar's forecast: the shards to run, the earlier runs' sweep seconds, a finish per checkpoint."""
+    forecast = Forecast(time.monotonic())
+    waiting = {s.key for s in queue}
+    for shard in shards:
+        if shard.key in waiting:
+            forecast.expect(shard)
+        else:
+            forecast.measured_before(shard, (read_marker(out, shard) or {}).get("seconds"))
+    for name in finishing:
+        forecast.expect_finish(name)
+    return forecast
+
+
+def _finish_shard(out: Path, spec: BatchSpec, own: list[Shard]) -> tuple[Shard, float | None, float] | None:
+    """The finish shard of a checkpoint, once every one of its sweep shards is complete, with its predicted
+    seconds (:func:`~pipelines.batch.forecast.finish_seconds`) and the sweep shards' measured seconds."""
     frames, markers = _checkpoint_frames(out, own)
     if not own or len(markers) != len(own):
         return None
@@ -137,17 +160,21 @@ def _finish_shard(out: Path, spec: BatchSpec, own: list[Shard]) -> Shard | None:
     buffer = io.BytesIO()
     heads.write_parquet(buffer)
     summary = _checkpoint_summary(own[0].checkpoint, own, markers, heads, spec)
-    return finish_shard_for(own, buffer.getvalue(), jsonable(summary))
+    layers = {task: heads.filter(pl.col("task") == task)["layer"].to_list() for task in summary["tasks"]} \
+        if "task" in heads.columns else {}
+    predicted = finish_seconds(summary, layers, spec.scan.budget)
+    sweep_seconds = sum(float(m.get("seconds") or 0.0) for m in markers)
+    return finish_shard_for(own, buffer.getvalue(), jsonable(summary)), predicted, sweep_seconds
 
 
 @contextlib.contextmanager
-def _progress_bar(enabled: bool, console, total: int, skipped: int, executor=None
+def _progress_bar(enabled: bool, console, total: int, skipped: int, executor=None, forecast: Forecast | None = None
                   ) -> Iterator[tuple[Callable[..., None], Progress]]:
     """Progress of the whole batch (:mod:`pipelines.progress`: rich bars in a terminal, plain log lines
     otherwise): ``tick``, which counts shards done (skipped ones count as done), failed, already done, and
     the executor's worker deaths and resubmissions when it counts them (Ray); and the reporter itself, for
     the stages of shards that run in this process (``CHECKPOINT: stage``; in a terminal a stage's bar goes
-    when it is done)."""
+    when it is done). The batch bar's time left is the ``forecast``'s (shards weighted by predicted seconds)."""
     from pipelines.progress import reporter
 
     failed = [0]
@@ -160,14 +187,15 @@ def _progress_bar(enabled: bool, console, total: int, skipped: int, executor=Non
             text += f"  {stats['worker_deaths']} worker deaths  {stats.get('resubmitted', 0)} resubmitted"
         return text
 
-    with reporter(console, enabled=enabled, status=status, drop_finished=True) as progress:
-        progress("batch shards", done[0], total)
+    eta_for = {BATCH_STAGE: lambda: forecast.eta(time.monotonic())} if forecast is not None else None
+    with reporter(console, enabled=enabled, status=status, drop_finished=True, eta_for=eta_for) as progress:
+        progress(BATCH_STAGE, done[0], total)
 
         def tick(ok: bool, count: int = 1) -> None:
             if not ok:
                 failed[0] += count
             done[0] += count
-            progress("batch shards", done[0], total)
+            progress(BATCH_STAGE, done[0], total)
 
         yield tick, progress
 
