@@ -7,7 +7,9 @@ bundled toy through the one pipeline.
 - ``verified`` ⇔ the one rule (≥ 19 controls, p ≤ 0.05, joint effect's interval below the control's 5th
   percentile), in pairs.parquet and in summary.json's top pairs;
 - every percentage in report.md carries the sign of the number it qualifies;
-- report.md holds no HTML entities.
+- report.md holds no HTML entities;
+- every stage finished (no "Incomplete scan" banner: a directory copied without its ``.gascan-scan``
+  markers, then re-rendered, once committed Gemma3-270M's report with one).
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from discovery.artifacts import read_scan
+from discovery.artifacts import missing_stages, read_scan
 from discovery.rank.verdict import ALPHA, MIN_CONTROLS, Verdict, decide, pair_status
 
 REPORTS = Path(__file__).resolve().parent.parent / "reports"
@@ -36,6 +38,9 @@ def consistency_problems(directory: Path) -> list[str]:
     stored = scan.summary.get("verdict")
     if not stored:
         return [f"{directory.name}: summary.json has no verdict"]
+    missing = missing_stages(scan.summary)
+    if missing:
+        problems.append(f"{directory.name}: summary.json records unfinished stages {missing}")
     rows = scan.pairs.to_dicts() if scan.pairs is not None else []
     verdict = Verdict.from_dict(stored)
     if decide(scan.summary, rows).as_dict() != verdict.as_dict():
@@ -65,6 +70,8 @@ def consistency_problems(directory: Path) -> list[str]:
     md_path, html_path = directory / "report.md", directory / "report.html"
     if md_path.is_file():
         md = md_path.read_text(encoding="utf-8")
+        if "Incomplete scan" in md:
+            problems.append(f"{directory.name}: report.md calls the scan incomplete")
         for entity in ("&gt;", "&lt;", "&amp;"):
             if entity in md:
                 problems.append(f"{directory.name}: report.md contains {entity}")
