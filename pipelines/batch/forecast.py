@@ -7,9 +7,9 @@ measured:
 
 - a sweep shard: the mean seconds of the finished sweep shards of its checkpoint, else of every
   checkpoint, else unknown (nothing has finished yet);
-- a finish shard, once its checkpoint's sweep is complete (:func:`finish_seconds`): its evidence budget
-  (forward-equivalents, by the rule the evidence stage applies; the most evidence and pairs may plan, so
-  the prediction errs long) at the sweep's measured seconds per forward-equivalent, times measured /
+- a finish shard, once its checkpoint's sweep is complete (:func:`finish_seconds`): the share of its
+  evidence budget (forward-equivalents, by the rule the evidence stage applies) that evidence and pairs
+  spent on the committed real scans, at the sweep's measured seconds per forward-equivalent, times measured /
   predicted seconds of the batch's finished finish shards (:meth:`Forecast.calibration`); before that, the checkpoint's predicted sweep seconds times the ratio (finish /
   sweep seconds) of the last checkpoint predicted that way, or :data:`FINISH_RATIO_PRIOR`.
 
@@ -29,14 +29,15 @@ from pipelines.batch.shards import Shard
 
 FINISH_RATIO_PRIOR = 3.0  # finish / sweep seconds before any is predicted: Gemma3-270M's batches, 2.3-3.1 (docs/batch.md)
 UNBOUNDED_FACTOR = 10.0  # --budget none: evidence + pairs cost about this many sweeps (5-20x measured)
+BUDGET_SHARE = 0.85  # of its budget, what a finish spends: 0.84 SmolLM2-135M, 0.87 Gemma3-270M, 0.81 mc-mamba1
 
 
 def finish_seconds(summary: Mapping[str, Any], layers_by_task: Mapping[str, Sequence[int]],
                    budget: str) -> float | None:
-    """A finish shard's predicted seconds from its checkpoint's merged sweep summary: per task, the evidence
-    budget in forward-equivalents (:func:`~discovery.evidence.budget.resolve_budget`, as the evidence stage
-    resolves it from the head layers) times the sweep's seconds per forward-equivalent; None when the sweep
-    recorded no cost."""
+    """A finish shard's predicted seconds from its checkpoint's merged sweep summary: per task,
+    :data:`BUDGET_SHARE` of the evidence budget in forward-equivalents
+    (:func:`~discovery.evidence.budget.resolve_budget`, as the evidence stage resolves it from the head layers)
+    times the sweep's seconds per forward-equivalent; None when the sweep recorded no cost."""
     from discovery.evidence.budget import resolve_budget
     from pipelines.validate import budget as parse_budget
 
@@ -50,7 +51,7 @@ def finish_seconds(summary: Mapping[str, Any], layers_by_task: Mapping[str, Sequ
         if seconds <= 0 or fe <= 0 or not layers or not n_layers:
             return None
         planned = resolve_budget(unit, amount, layers, int(n_layers), info)
-        total += (UNBOUNDED_FACTOR * fe if planned is None else planned) * seconds / fe
+        total += (UNBOUNDED_FACTOR * fe if planned is None else BUDGET_SHARE * planned) * seconds / fe
     return total if total > 0 else None
 
 

@@ -119,11 +119,11 @@ def run_batch(spec: BatchSpec, out: str | os.PathLike, executor=None, *, shard_f
                                          "attempts": outcome.attempts, "crashed": outcome.crashed,
                                          "reason": outcome.error})
                     forecast.finished(shard, outcome.result.seconds if outcome.ok else None, time.monotonic())
-                    tick(outcome.ok)
                     if shard.stage == "sweep":
                         outstanding[shard.checkpoint.name] -= 1
                         if outstanding[shard.checkpoint.name] == 0:
-                            follow_up(shard.checkpoint.name)
+                            follow_up(shard.checkpoint.name)  # before the tick: its line counts the finish
+                    tick(outcome.ok)
         summary = merge_batch(spec, out_dir, shards, failures=failures, executor=executor.describe(),
                               ran=ran, skipped=skipped, started=started, total=total)
     return BatchResult(out_dir, total, ran, skipped, failures, summary)
