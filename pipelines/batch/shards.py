@@ -25,7 +25,7 @@ import polars as pl
 from discovery.artifacts import jsonable
 from discovery.errors import GascanError
 from discovery.model import PICKLE_SUFFIXES
-from pipelines.batch.spec import BatchSpec, Checkpoint, _safe_name, gascan_version
+from pipelines.batch.spec import BatchSpec, Checkpoint, _safe_name, gascan_version, local_path
 from pipelines.options import AFTER_SWEEP_SETTINGS, TABLE_VERSION, LoadOptions, ScanOptions
 
 STATE_DIR = ".gascan-batch"
@@ -108,7 +108,7 @@ class ShardOutcome:
 
 def weight_files(spec: str) -> list[Path]:
     """The files whose bytes make a checkpoint's content hash (as ``LoadedModel.checkpoint_hash``)."""
-    path = Path(spec)
+    path = local_path(spec)
     if path.is_file():
         return [path]
     files = sorted(path.glob("*.safetensors"))
@@ -148,7 +148,7 @@ class CheckpointInfo:
     def get(self, checkpoint: Checkpoint, need_layers: bool) -> tuple[str, int | None]:
         if checkpoint.spec.startswith("tiny:"):
             return self._tiny(checkpoint.spec, need_layers)
-        path = Path(checkpoint.spec)
+        path = local_path(checkpoint.spec)
         if not path.exists():
             raise GascanError(f"checkpoint {checkpoint.spec} disappeared", "restore it or remove it from the spec")
         files = weight_files(checkpoint.spec)

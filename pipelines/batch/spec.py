@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from discovery.errors import GascanError
+from discovery.model.spec import PACKAGED, resolve_spec
 from pipelines.options import LoadOptions, ScanOptions
 
 SCAN_KEYS = (*ScanOptions.setting_names(), "layers_per_shard")
@@ -42,7 +43,8 @@ def gascan_version() -> str:
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """One model to scan: a unique output ``name``, the model ``spec`` (path or ``tiny:ARCH``), its step."""
+    """One model to scan: a unique output ``name``, the model ``spec`` (a path, ``tiny:ARCH``, or a packaged or
+    bundled name, as gascan scan takes them: :func:`local_path` finds its files), its step."""
 
     name: str
     spec: str
@@ -157,6 +159,15 @@ def _named(entries: list[tuple[str, Path | None, int | None]], names: list[str |
     return out
 
 
+def local_path(spec: str) -> Path:
+    """Where a checkpoint spec's files are: a path as given, a packaged (``smollm2``) or bundled
+    (``bundled:NAME``) name where gascan scan finds it (a one-line error when its package is missing)."""
+    if spec.startswith("bundled:") or spec in PACKAGED:
+        kind, directory, gguf = resolve_spec(spec)
+        return directory / gguf if kind == "gguf" else directory
+    return Path(spec)
+
+
 def _expand_model(entry: Any, base: Path) -> tuple[list[tuple[str, Path | None, int | None]], list[str | None]]:
     """One ``models`` entry (a string, or a table with path/series/name/step) to checkpoints."""
     if isinstance(entry, str):
@@ -167,7 +178,7 @@ def _expand_model(entry: Any, base: Path) -> tuple[list[tuple[str, Path | None, 
     _unknown(list(entry), MODEL_KEYS, "a models entry")
     if ("path" in entry) == ("series" in entry):
         raise GascanError(f"models entry {entry} needs exactly one of `path` and `series`",
-                          'use path = "DIR, GLOB or tiny:ARCH" or series = "DIR" (a training run)')
+                          'use path = "DIR, GLOB, tiny:ARCH, bundled:NAME or smollm2" or series = "DIR" (a training run)')
     if "series" in entry:
         series = discover_series(_resolve(str(entry["series"]), base))
         prefix = entry.get("name")
@@ -179,6 +190,8 @@ def _expand_model(entry: Any, base: Path) -> tuple[list[tuple[str, Path | None, 
         raise GascanError(f"step {step!r} of {text} is not an integer", "write step = 1200")
     if text.startswith("tiny:"):
         return [(text, None, step)], [entry.get("name") or _safe_name(text.replace(":", "-"))]
+    if text.startswith("bundled:") or text in PACKAGED:  # named as gascan scan names them (its files must exist)
+        return [(text, local_path(text), step)], [entry.get("name") or _safe_name(text.replace(":", "-"))]
     if any(ch in text for ch in "*?["):
         matches = [Path(p) for p in sorted(glob.glob(str(_resolve(text, base))))]
         hits = [p for p in matches if _is_checkpoint(p)]
