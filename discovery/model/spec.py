@@ -89,6 +89,20 @@ def resolve_spec(spec: str | os.PathLike | None) -> tuple[str, Path | None, str 
                          "pass a local model directory, a .gguf file, a cached hub id or tiny:ARCH")
 
 
+def is_named(spec: str) -> bool:
+    """A spec that names a checkpoint rather than giving its path: ``bundled:NAME`` or a packaged name
+    (``smollm2``)."""
+    return spec.startswith("bundled:") or spec in PACKAGED
+
+
+def spec_path(spec: str | os.PathLike | None) -> Path | None:
+    """Where a spec's weights are: its GGUF file or model directory (None for ``tiny:ARCH``)."""
+    kind, directory, name = resolve_spec(spec)
+    if kind == "tiny":
+        return None
+    return directory / name if kind == "gguf" else directory
+
+
 def check_directory(directory: Path, allow_pickle: bool, trust_remote_code: bool) -> dict:
     """config.json, a supported architecture and safe, whole weights; returns the config."""
     from discovery.model.tables import supported_model_types

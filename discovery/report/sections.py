@@ -45,8 +45,8 @@ def verdict_section(scan: Scan, verdict: Verdict | None, note: str) -> Section:
         "mediated share). Joint drop: both heads ablated, with its 95% bootstrap interval; control: random "
         "head pairs from the same two layers (mean drop, and its 95th percentile). Joint ablations run for the "
         "top pairs whose two heads both have their G&A roles by the evidence stage (only such a pair can be a G&A "
-        "pair; without one, the top pair alone; without the stage, the top pairs by score); the other pairs show –. Status from the verdict: verified when "
-        "the joint drop beats the controls at the 5% level.")
+        "pair; without one, the top pair alone; without the stage, the top pairs by score); the other pairs "
+        "show –. Status from the verdict: verified when the joint drop beats the controls at the 5% level.")
     several = len(scan.tasks) > 1
     rows = []
     for r in pairs.sort("rank").head(MAX_ROWS).iter_rows(named=True):

@@ -93,10 +93,8 @@ class Forecast:
 
     def finished(self, shard: Shard, seconds: float | None, now: float) -> None:
         """A shard of this run ended at ``now`` (``seconds``: its measured wall seconds; None when it failed)."""
-        item = self.pending.pop(shard.key, None)
+        item = self.pending.pop(shard.key, None)  # a finish shard's placeholder went when it was queued
         self.last_event = now
-        if shard.stage == "finish":
-            self.pending.pop(f"finish:{shard.checkpoint.name}", None)
         if seconds is None:
             return
         if item is not None and item.predicted:

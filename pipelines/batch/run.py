@@ -78,11 +78,12 @@ def run_batch(spec: BatchSpec, out: str | os.PathLike, executor=None, *, shard_f
         shards = plan_shards(spec, out_dir, errors=failures)
         clean_temp_files(out_dir, shards)
         by_checkpoint = _by_checkpoint(shards)
-        queue = [s for s in shards if read_marker(out_dir, s) is None]
+        markers = {s.key: read_marker(out_dir, s) for s in shards}
+        queue = [s for s in shards if markers[s.key] is None]
         total = len(shards) + (len(by_checkpoint) if finish else 0)
         skipped = len(shards) - len(queue)
         outstanding = {name: sum(1 for s in queue if s.checkpoint.name == name) for name in by_checkpoint}
-        forecast = _forecast(out_dir, shards, queue, by_checkpoint if finish else {})
+        forecast = _forecast(shards, markers, by_checkpoint if finish else {})
 
         def follow_up(name: str) -> None:
             """Queue a checkpoint's finish shard once its sweep shards are all complete."""
@@ -136,15 +137,17 @@ def _by_checkpoint(shards: Sequence[Shard]) -> dict[str, list[Shard]]:
     return out
 
 
-def _forecast(out: Path, shards: Sequence[Shard], queue: Sequence[Shard], finishing: Mapping[str, Any]) -> Forecast:
-    """The batch bar's forecast: the shards to run, the earlier runs' sweep seconds, a finish per checkpoint."""
+def _forecast(shards: Sequence[Shard], markers: Mapping[str, dict[str, Any] | None],
+              finishing: Mapping[str, Any]) -> Forecast:
+    """The batch bar's forecast: the shards to run (no completion marker), the earlier runs' sweep seconds (their
+    markers), a finish per checkpoint."""
     forecast = Forecast(time.monotonic())
-    waiting = {s.key for s in queue}
     for shard in shards:
-        if shard.key in waiting:
+        marker = markers.get(shard.key)
+        if marker is None:
             forecast.expect(shard)
         else:
-            forecast.measured_before(shard, (read_marker(out, shard) or {}).get("seconds"))
+            forecast.measured_before(shard, marker.get("seconds"))
     for name in finishing:
         forecast.expect_finish(name)
     return forecast

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from discovery.errors import GascanError
-from discovery.model.spec import PACKAGED, resolve_spec
+from discovery.model.spec import is_named, spec_path
 from pipelines.options import LoadOptions, ScanOptions
 
 SCAN_KEYS = (*ScanOptions.setting_names(), "layers_per_shard")
@@ -162,10 +162,8 @@ def _named(entries: list[tuple[str, Path | None, int | None]], names: list[str |
 def local_path(spec: str) -> Path:
     """Where a checkpoint spec's files are: a path as given, a packaged (``smollm2``) or bundled
     (``bundled:NAME``) name where gascan scan finds it (a one-line error when its package is missing)."""
-    if spec.startswith("bundled:") or spec in PACKAGED:
-        kind, directory, gguf = resolve_spec(spec)
-        return directory / gguf if kind == "gguf" else directory
-    return Path(spec)
+    named = spec_path(spec) if is_named(spec) else None
+    return named if named is not None else Path(spec)
 
 
 def _expand_model(entry: Any, base: Path) -> tuple[list[tuple[str, Path | None, int | None]], list[str | None]]:
@@ -190,7 +188,7 @@ def _expand_model(entry: Any, base: Path) -> tuple[list[tuple[str, Path | None, 
         raise GascanError(f"step {step!r} of {text} is not an integer", "write step = 1200")
     if text.startswith("tiny:"):
         return [(text, None, step)], [entry.get("name") or _safe_name(text.replace(":", "-"))]
-    if text.startswith("bundled:") or text in PACKAGED:  # named as gascan scan names them (its files must exist)
+    if is_named(text):  # named as gascan scan names them (its files must exist)
         return [(text, local_path(text), step)], [entry.get("name") or _safe_name(text.replace(":", "-"))]
     if any(ch in text for ch in "*?["):
         matches = [Path(p) for p in sorted(glob.glob(str(_resolve(text, base))))]
