@@ -57,7 +57,8 @@ def _depth(layer: int, n_layers: int) -> float:
 
 
 def _pattern_metrics(lm: LoadedModel, batch: AnnotatedBatch, groups: list[HeadGroup], chunk: int,
-                     progress: Progress | None) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
+                     progress: Progress | None, engine: AblationEngine
+                     ) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
     """Per group, per metric: the per-head mean over prompts ``[head]`` (NaN where undefined)."""
     from discovery.measure import metrics
     from discovery.measure.patterns import pattern_metric_values
@@ -65,7 +66,7 @@ def _pattern_metrics(lm: LoadedModel, batch: AnnotatedBatch, groups: list[HeadGr
     tick = stage_ticker(progress, "patterns", len(groups) * math.ceil(len(batch) / chunk))
     values = pattern_metric_values(lm, batch, layers=sorted({g.layer for g in groups}),
                                    kinds=sorted({g.kind for g in groups}), chunk_prompts=chunk,
-                                   on_chunk=lambda: tick(1))
+                                   on_chunk=lambda: tick(1), engine=engine)
     return {key: metrics.summarise(named) for key, named in values.items()}
 
 
@@ -106,8 +107,8 @@ def scan_task(lm: LoadedModel, task_spec: str, options: ScanOptions, *, layers: 
         if progress:
             progress("patterns", 0, 1)
         with Meter() as meter:
-            pattern_values = _pattern_metrics(lm, batch, groups, options.chunk_prompts, progress)
-            dla_values = head_dla(lm, batch, groups)
+            pattern_values = _pattern_metrics(lm, batch, groups, options.chunk_prompts, progress, engine)
+            dla_values = head_dla(lm, batch, groups, engine)
         parts["patterns"] = meter.cost
         for g in groups:
             for h in g.heads():

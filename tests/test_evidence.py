@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from discovery.measure.ablation import AblationEngine, single_head_ablations
+from discovery.measure.flops import MatmulFlops
 from discovery.model.adapter import adapter_for
 from discovery.model.loading import LoadedModel, load_model
 from discovery.tasks.base import annotate
@@ -39,11 +40,14 @@ def test_readout_layer_equals_a_truncated_model(arch):
     reference = AblationEngine(_truncated_copy(lm, 2), batch)
     heads = [h for h in lm.inventory.heads() if h.layer <= 1 and h.index < 2]
     ablations = single_head_ablations(heads) + single_head_ablations(heads, scope=("query",))
-    ours, theirs = engine.run(ablations), reference.run(ablations)
+    with MatmulFlops() as our_flops:
+        ours = engine.run(ablations)
+    with MatmulFlops() as their_flops:
+        theirs = reference.run(ablations)
     assert torch.allclose(engine.clean.logit_diff, reference.clean.logit_diff, atol=1e-5)
     assert torch.allclose(ours.logit_diff, theirs.logit_diff, atol=1e-5)
     assert (ours.logit_diff - engine.clean.logit_diff).abs().max() > 1e-3  # the ablations do something
-    assert engine.layer_rows == reference.layer_rows
+    assert our_flops.total == their_flops.total > 0  # the truncated model's cost: later layers do not run
     full = AblationEngine(lm, batch)
     assert (full.clean.logit_diff - engine.clean.logit_diff).abs().max() > 1e-3  # truncation is not a no-op
     with pytest.raises(ValueError, match="after readout layer"):
@@ -245,6 +249,12 @@ def test_depth_profile_equals_the_truncated_engine():
     lm = load_model("tiny:llama")
     batch = annotate(mc_prompts(4), lm.tokenizer, padding_side="left")
     profile = depth_profile(lm, batch)
+    engine = AblationEngine(lm, batch)
+    engine.layer_rows = 0
+    from_engine = depth_profile(lm, batch, engine)  # the engine's clean hidden states: no pass of its own
+    assert engine.layer_rows == 0
+    for column in ("logit_diff", "gold_logprob", "acc"):
+        assert from_engine[column].to_list() == pytest.approx(profile[column].to_list(), abs=1e-5)
     for depth in range(1, lm.inventory.n_layers + 1):
         engine = AblationEngine(lm, batch, readout_layer=depth - 1)
         assert abs(profile["logit_diff"][depth - 1] - float(engine.clean.logit_diff.mean())) < 1e-5

@@ -240,3 +240,82 @@ def test_streamed_metrics_equal_metrics_of_the_whole_patterns(arch: str, cases) 
         for name, values in whole.items():
             assert streamed[key][name].shape == values.shape == (len(case.batch), pattern.shape[1])
             torch.testing.assert_close(streamed[key][name], values, atol=1e-5, rtol=1e-4, equal_nan=True)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mamba2", "zamba2", "jamba"])
+def test_engine_watch_passes_equal_whole_forwards_and_cost_their_span(arch: str, cases) -> None:
+    """Patterns through the engine (layers before the first watched or edited one from its clean pass, the
+    pass halted after the last watched layer) equal those of a whole forward, clean and under an ablation,
+    and each pass costs the layers of its span, as predicted."""
+    from discovery.measure.ablation import Ablation, AblationEngine
+    from discovery.measure.flops import MatmulFlops
+
+    case = cases(arch)
+    engine = AblationEngine(case.lm, case.batch)
+    watched = [g.layer for g in case.lm.inventory.groups if g.layer >= 1]
+    first, last = min(watched), max(watched)
+    some = next(iter(engine.inventory.heads()))
+    with MatmulFlops() as clean:  # edits add no matmul: one whole clean forward
+        engine.run_naive([Ablation((some,))])
+    engine.layer_rows = 0
+    with MatmulFlops() as counted:
+        reused = collect_patterns(case.lm, case.batch, layers=watched, engine=engine)
+    assert engine.forward_equivalents == pytest.approx(engine.predicted_watch_fe(first, last))
+    model_only = counted.total / clean.total
+    if all(g.kind == "attn" for g in engine.inventory.groups):
+        assert engine.forward_equivalents == pytest.approx(model_only, rel=1e-6)
+    else:  # the SSM heads' implicit attention is matmul work of the pattern extraction, on top of the model's
+        assert engine.forward_equivalents < model_only
+    assert engine.forward_equivalents < 1.0  # layers before the first watched one and the readout do not run
+    for key, pattern in reused.items():
+        torch.testing.assert_close(pattern, case.patterns[key], atol=1e-5, rtol=1e-4)
+
+    ablated = next(h for h in engine.inventory.heads() if h.layer == 0)
+    edits = lambda rows: engine.plan([Ablation((ablated,))], rows)
+    whole = collect_patterns(case.lm, case.batch, layers=[last], edits_for=edits)
+    engine.layer_rows = 0
+    under = collect_patterns(case.lm, case.batch, layers=[last], edits_for=edits, engine=engine)
+    assert engine.forward_equivalents == pytest.approx(engine.predicted_watch_fe(0, last))
+    assert set(under) == set(whole) and under
+    for key, pattern in under.items():
+        torch.testing.assert_close(pattern, whole[key], atol=1e-5, rtol=1e-4)
+        assert not torch.equal(pattern, case.patterns[key])  # the ablation reached the watched layer
+
+
+@pytest.mark.parametrize("arch", ["llama", "zamba2"])
+def test_dla_from_the_engine_equals_its_own_pass(arch: str, cases) -> None:
+    """Direct logit attribution from what the engine's clean pass kept equals head_dla's own forward."""
+    from discovery.measure.ablation import AblationEngine
+    from discovery.measure.dla import head_dla
+
+    case = cases(arch)
+    groups = list(case.lm.inventory.groups)
+    engine = AblationEngine(case.lm, case.batch)
+    own = head_dla(case.lm, case.batch, groups)
+    kept = head_dla(case.lm, case.batch, groups, engine)
+    assert set(own) == set(kept) == {(g.layer, g.kind) for g in groups}
+    scale = max(float(v.abs().max()) for v in own.values())  # DLA values carry no autograd graph
+    assert scale > 0  # not trivially zero
+    for key in own:
+        torch.testing.assert_close(kept[key].detach(), own[key].detach(), atol=1e-4 * scale, rtol=1e-4)
+
+
+def test_a_halted_pass_runs_no_later_layer_and_no_unembedding(cases) -> None:
+    """``halt_after=k``: layer k's sinks fire, no later layer runs, no logits are computed, and the
+    ``with`` block ends normally."""
+    from discovery.measure.flops import MatmulFlops
+    from discovery.model.intervene import Intervener, PassConfig
+
+    case = cases("llama")
+    lm, n_layers = case.lm, case.lm.inventory.n_layers
+    ran: list[int] = []
+    sinks = {i: (lambda h, i=i: ran.append(i)) for i in range(n_layers)}
+    with MatmulFlops() as whole, torch.no_grad():
+        lm.model(**model_inputs(lm.model, case.batch))
+    with MatmulFlops() as halted, torch.no_grad(), Intervener(lm.adapter).run(PassConfig(layer_sinks=sinks,
+                                                                                          halt_after=1)):
+        out = lm.model(**model_inputs(lm.model, case.batch))
+    assert ran == [0, 1]
+    assert "out" not in locals() or out is None
+    unembed = 2 * case.batch.input_ids.numel() * lm.adapter.unembed().weight.numel()
+    assert halted.total < whole.total - unembed  # neither the later layers nor the unembedding ran

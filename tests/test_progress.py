@@ -107,6 +107,14 @@ def test_scan_piped_prints_plain_progress_for_each_stage(tmp_path):
         assert re.search(rf"^gascan: {stage}  {n}/{n}  done in \d+s$", err, re.MULTILINE), stage
     assert re.search(r"^gascan: ablation \(all\)  \d+/16  elapsed \d+s  eta \d+s$", err, re.MULTILINE)
 
+    # gascan report --rerun reruns stages as long as the scan's: the same lines
+    proc = subprocess.run([sys.executable, "-m", "pipelines.cli", "report", str(tmp_path / "scan"), "--rerun", "pairs"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, check=False, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert not ANSI.search(proc.stderr)
+    for stage in ("loading model", "pairs: mediation", "pairs: verification \\(joint \\+ controls\\)"):
+        assert re.search(rf"^gascan: {stage}  \d+/\d+  done in \d+s$", proc.stderr, re.MULTILINE), stage
+
 
 def test_batch_progress_shows_failures_worker_deaths_and_resubmissions(capsys, monkeypatch):
     from pipelines.batch.run import _progress_bar

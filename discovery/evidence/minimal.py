@@ -29,11 +29,11 @@ def _readout_logits(lm: LoadedModel, hidden: torch.Tensor) -> torch.Tensor:
     return logits
 
 
-def depth_profile(lm: LoadedModel, batch: AnnotatedBatch) -> pl.DataFrame:
+def depth_profile(lm: LoadedModel, batch: AnnotatedBatch, engine: AblationEngine | None = None) -> pl.DataFrame:
     """The task score of the model truncated after each layer: one row per depth ``1..n_layers``.
 
     Each layer's output at the query position is captured in one clean pass (the Intervener's
-    ``layer_sinks``) and read out through the final norm and the unembedding; the last depth is the
+    ``layer_sinks``; given the untruncated ``engine`` of this batch, its clean pass's, so no pass of its own) and read out through the final norm and the unembedding; the last depth is the
     model itself. Columns: ``depth`` (layers kept), ``layer`` (the last one), ``acc``, ``logit_diff``,
     ``gold_logprob`` (means over prompts), ``chance`` and the shares of the clean score ``acc_frac``
     (above chance: ``(acc - chance) / (clean acc - chance)``, null when the clean model is not above
@@ -46,10 +46,14 @@ def depth_profile(lm: LoadedModel, batch: AnnotatedBatch) -> pl.DataFrame:
     part = batch.to(device)
     rows = torch.arange(len(part), device=device)
     n_layers = lm.inventory.n_layers
-    captured: dict[int, torch.Tensor] = {}
-    sinks = {i: (lambda h, i=i: captured.__setitem__(i, h[rows, part.query_pos].detach())) for i in range(n_layers)}
-    with torch.no_grad(), Intervener(lm.adapter).run(PassConfig(layer_sinks=sinks)):
-        lm.model(**model_inputs(lm.model, part))
+    if engine is not None and engine.readout_layer is None and len(engine.batch) == len(batch):
+        captured = {i: engine.hidden[i][rows, part.query_pos] for i in range(n_layers)}
+    else:
+        captured: dict[int, torch.Tensor] = {}
+        sinks = {i: (lambda h, i=i: captured.__setitem__(i, h[rows, part.query_pos].detach()))
+                 for i in range(n_layers)}
+        with torch.no_grad(), Intervener(lm.adapter).run(PassConfig(layer_sinks=sinks, halt_after=n_layers - 1)):
+            lm.model(**model_inputs(lm.model, part))
     scores = [query_scores(_readout_logits(lm, captured[i])[None], part) for i in range(n_layers)]
     chance = _chance(batch)
     last = scores[-1]

@@ -20,8 +20,6 @@ def _reader_values(engine: AblationEngine, readers: Sequence[HeadId], ablation: 
                    ) -> dict[HeadId, dict[str, float | None]]:
     """Selectivity, agg_select (attention readers) and direct logit effect at the query of each reader,
     in one pass with ``ablation`` applied (None: clean)."""
-    from discovery.measure.patterns import model_inputs
-
     batch = engine.batch
     rows = torch.arange(len(batch), device=engine.device)
     config = engine.plan([ablation]) if ablation is not None else engine.plan([])
@@ -44,8 +42,7 @@ def _reader_values(engine: AblationEngine, readers: Sequence[HeadId], ablation: 
             config.prob_sinks[layer] = lambda p, key=(layer, kind): probs.__setitem__(key, p.detach().float())
         else:  # SSM readers: their implicit attention, as the pattern pass computes it
             config.mixer_sinks[layer] = _implicit_sink(engine, group, probs, config.mixer_sinks.get(layer))
-    with torch.no_grad(), engine.intervener.run(config):
-        engine.model(**model_inputs(engine.model, batch))
+    engine.watch(config, [layer for layer, _ in by_group])  # from the ablated layer to the last reader
     with torch.no_grad():
         return _reader_readout(engine, by_group, inputs, probs)
 
@@ -96,6 +93,23 @@ def _reader_readout(engine: AblationEngine, by_group: Mapping[tuple[int, str], l
     return out
 
 
+def read_pairs(engine: AblationEngine, gathers: Sequence[HeadId], readers: Sequence[HeadId]
+               ) -> list[tuple[HeadId, HeadId]]:
+    """The (gather, reader) pairs a read test watches: every reader in a later layer the engine reads out."""
+    return [(g, r) for g in gathers for r in readers if r.layer > g.layer and r.layer < engine.n_active_layers]
+
+
+def read_test_cost(engine: AblationEngine, gathers: Sequence[HeadId], readers: Sequence[HeadId]) -> float:
+    """What :func:`read_test` costs in forward-equivalents: the readers' layers clean, then each gather
+    candidate's pass from its own layer to its last reader's."""
+    pairs = read_pairs(engine, gathers, readers)
+    if not pairs:
+        return 0.0
+    layers = [r.layer for _, r in pairs]
+    return engine.predicted_watch_fe(min(layers), max(layers)) + sum(
+        engine.predicted_watch_fe(g.layer, max(r.layer for g2, r in pairs if g2 == g)) for g in {g for g, _ in pairs})
+
+
 def read_test(engine: AblationEngine, gathers: Sequence[HeadId], readers: Sequence[HeadId],
               thresholds: EvidenceThresholds | None = None, *, scope: Sequence[str] = ("segment",)) -> pl.DataFrame:
     """Knock out each gather candidate at ``scope`` (default: the segment positions) and watch every
@@ -106,7 +120,7 @@ def read_test(engine: AblationEngine, gathers: Sequence[HeadId], readers: Sequen
     (:func:`~discovery.metrics.selection`) falls by ``thresholds.read_select``."""
     th = thresholds or EvidenceThresholds()
     clean_ld = float(engine.clean.logit_diff.mean())
-    pairs = [(g, r) for g in gathers for r in readers if r.layer > g.layer and r.layer < engine.n_active_layers]
+    pairs = read_pairs(engine, gathers, readers)
     columns = ["gather", "reader", "select_clean", "select_ablated", "agg_select_clean", "agg_select_ablated",
                "dla_clean", "dla_ablated", "dla_drop", "reads"]
     if not pairs:

@@ -16,7 +16,7 @@ from discovery.evidence.common import _clean, _heads_of, _num
 from discovery.evidence.groups import group_ablations, role_groups
 from discovery.evidence.minimal import depth_profile, minimal_depth, minimal_model_effects
 from discovery.evidence.positions import position_effects
-from discovery.evidence.reads import read_test
+from discovery.evidence.reads import read_test, read_test_cost
 from discovery.evidence.roles import lives_at, task_done, verdicts
 from discovery.evidence.thresholds import MINIMAL_SCOPES, SCOPE_ABLATIONS, SHORT, EvidenceThresholds
 from discovery.heads import HeadId
@@ -142,8 +142,8 @@ def evidence_report(lm: LoadedModel, batch: AnnotatedBatch, frame: pl.DataFrame,
         [str(h) for g in role_groups(table, th, clean_ld=clean["logit_diff"]) if g.name not in ran for h in g.heads]
         + [h for g in (groups.iter_rows(named=True) if groups.height else [])
            if g["significant"] and g["n"] >= 2 and g["marginal"] is None for h in g["heads"]])
-    profile = depth_profile(lm, batch)
-    ledger.charge("depth profile", None, 1.0)
+    profile = depth_profile(lm, batch, engine)  # from the engine's clean pass: no forward of its own
+    ledger.charge("depth profile", None, 0.0)
     depth = minimal_depth(profile, th)
     minimal: dict[str, Any] = {"depth": depth, "n_layers": lm.inventory.n_layers, "metric": th.depth_metric,
                                "keep": th.keep}
@@ -190,7 +190,7 @@ def evidence_report(lm: LoadedModel, batch: AnnotatedBatch, frame: pl.DataFrame,
             readers.append(h)
     # the read tests are never cut: a pass per gather candidate, and without them no head can be a gather head
     gathers = readers
-    ledger.charge("read tests", ledger.allowance("read tests"), (1 + len(gathers)) if gathers else 0.0,
+    ledger.charge("read tests", ledger.allowance("read tests"), read_test_cost(engine, gathers, aggregates),
                   gathers=len(gathers))
     if progress:
         progress("read tests", 0, len(gathers))

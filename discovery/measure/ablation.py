@@ -20,12 +20,25 @@ input through; the final norm and unembedding read layer k's output): the paper'
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 import torch
 
-from discovery.heads import HeadGroup, HeadId, Inventory
+from discovery.heads import HeadId, Inventory
+from discovery.measure.edits import (
+    _after,
+    _capture_components,
+    _knockout_probs,
+    _knockout_ssm,
+    class_index,
+    class_means,
+    replace_heads,
+    scope_positions,
+    unit_columns,
+)
+from discovery.measure.flops import MatmulFlops
 from discovery.model.intervene import Intervener, PassConfig
 from discovery.model.loading import LoadedModel
 from discovery.tasks.base import AnnotatedBatch
@@ -33,8 +46,6 @@ from discovery.tasks.base import AnnotatedBatch
 METHODS = ("zero", "mean", "knockout")
 SCOPES = ("all", "query", "summary", "segment", "label")
 METRICS = ("acc", "logit_diff", "gold_logprob")
-# Position classes for mean ablation, most specific first: a position takes the first class it is in.
-MEAN_CLASSES = ("query", "summary", "label", "segment", "all")
 
 
 @dataclass(frozen=True)
@@ -117,37 +128,6 @@ def query_scores(query_logits: torch.Tensor, batch: AnnotatedBatch) -> Scores:
     return Scores(*(torch.stack([p[m].float() for p in parts]) for m in METRICS))
 
 
-def class_means(x: torch.Tensor, classes: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Mean of ``x`` ``[prompt, pos, in]`` per position class (MEAN_CLASSES order): ``[class, in]``.
-
-    Each real position counts in the first class it belongs to; an empty class takes the mean over
-    every real position. Shared by the engine and the attribution screen.
-    """
-    means = []
-    taken = torch.zeros_like(classes["all"])
-    for name in MEAN_CLASSES:
-        sel = classes[name] & ~taken & classes["all"]
-        taken |= sel
-        means.append(x[sel].mean(0) if sel.any() else x[classes["all"]].mean(0))
-    return torch.stack(means)  # [class, in]
-
-
-def class_index(classes: dict[str, torch.Tensor]) -> torch.Tensor:
-    """``[prompt, pos]`` index into MEAN_CLASSES (first class that applies)."""
-    index = torch.full_like(classes["all"], len(MEAN_CLASSES) - 1, dtype=torch.long)
-    for i in reversed(range(len(MEAN_CLASSES))):
-        index[classes[MEAN_CLASSES[i]]] = i
-    return index
-
-
-def scope_positions(classes: dict[str, torch.Tensor], scope: Sequence[str]) -> torch.Tensor:
-    """``[prompt, pos]`` bool: the real positions in any of the ``scope`` classes."""
-    mask = torch.zeros_like(classes["all"])
-    for name in scope:
-        mask |= classes[name]
-    return mask & classes["all"]
-
-
 @dataclass
 class _Plan:
     """Edits of one chunk: rows are ablation-major (row = ablation * n_prompts + prompt)."""
@@ -205,7 +185,12 @@ class AblationEngine:
         self.n_positions = int(self.batch.input_ids.shape[1])
         self.intervener.learn_layer_output_format(self.batch.input_ids)
         self.hidden: dict[int, torch.Tensor] = {}  # layer -> clean output [prompt, pos, d_model]
-        self.layer_rows = 0  # prompt-rows × layers recomputed so far: cost in units of one layer on one prompt
+        self.query_inputs: dict[tuple[int, str], torch.Tensor] = {}  # (layer, kind) -> clean [prompt, in_features]
+        # cost so far in layer units (one layer-unit = a clean forward's FLOPs / n_layers, on one prompt): each
+        # layer weighs its measured share of the clean forward, the readout (final norm, unembedding) its own
+        self.layer_rows = 0.0
+        self._layer_units: list[float] = [1.0] * n_layers  # [layer], measured by the clean pass
+        self._readout_units = 0.0
         self.clean = self._clean_pass()
 
     # -- inputs -----------------------------------------------------------------------------------
@@ -234,8 +219,7 @@ class AblationEngine:
         config.stop_layer = self.readout_layer
         with torch.no_grad(), self.intervener.run(config):
             out = self.model(**self._inputs(repeat))
-        n_layers = self.n_active_layers - config.start_layer
-        self.layer_rows += repeat * self.n_prompts * n_layers
+        self.layer_rows += repeat * self.n_prompts * self._pass_units(config.start_layer)
         return out.logits[:, -1, :].float()
 
     @property
@@ -248,15 +232,16 @@ class AblationEngine:
         return all(g.pattern == "attention" for g in self.inventory.groups)
 
     def _prefix_cache(self):
-        """Keys/values of every layer for all but the last position (computed once)."""
+        """Keys/values of every layer up to the readout layer for all but the last position (computed once)."""
         if self._cache is None:
             inputs = self._inputs(1)
             inputs = {k: (v[:, :-1] if k != "use_cache" and k != "logits_to_keep" else v) for k, v in inputs.items()}
             inputs["use_cache"] = True
-            with torch.no_grad():
+            with torch.no_grad(), self.intervener.run(PassConfig(stop_layer=self.readout_layer)):
                 out = self.model(**inputs)
-                # transformers 5.x names the returned cache ``cache`` (``past_key_values`` is its deprecated alias)
-                self._cache = out["cache"] if "cache" in out else out.past_key_values
+            self.layer_rows += self.n_prompts * self._prefix_units()
+            # transformers 5.x names the returned cache ``cache`` (``past_key_values`` is its deprecated alias)
+            self._cache = out["cache"] if "cache" in out else out.past_key_values
         return self._cache
 
     def _forward_last(self, repeat: int, config: PassConfig) -> torch.Tensor:
@@ -274,13 +259,110 @@ class AblationEngine:
         config.stop_layer = self.readout_layer
         with torch.no_grad(), self.intervener.run(config):
             out = self.model(**inputs)
-        self.layer_rows += repeat * self.n_prompts * (self.n_active_layers - config.start_layer) / self.n_positions
+        self.layer_rows += repeat * self.n_prompts * self._pass_units(config.start_layer, last_only=True)
         return out.logits[:, -1, :].float()
 
     def _clean_pass(self) -> Scores:
+        """The clean scores, every layer's output (:attr:`hidden`) and every head group's out-projection input
+        at the query (:attr:`query_inputs`, for direct logit attribution without another pass)."""
         sinks = {i: (lambda h, i=i: self.hidden.__setitem__(i, h.detach())) for i in range(self.inventory.n_layers)}
-        logits = self._forward(1, PassConfig(layer_sinks=sinks))
+        rows = torch.arange(self.n_prompts, device=self.device)
+
+        def grab(key: tuple[int, str]) -> Callable[[torch.Tensor], torch.Tensor]:
+            def edit(x: torch.Tensor) -> torch.Tensor:  # x [prompt, pos, in_features]
+                self.query_inputs[key] = x[rows, self.batch.query_pos].detach()  # [prompt, in_features]
+                return x
+            return edit
+
+        edits = {(g.layer, g.kind): grab((g.layer, g.kind)) for g in self.inventory.groups
+                 if g.layer < self.n_active_layers}
+        with self._layer_flops() as measured:
+            logits = self._forward(1, PassConfig(layer_sinks=sinks, proj_edits=edits))
+        self._weigh_layers(*measured)
+        self.layer_rows = self.n_prompts * self._pass_units(0)
         return query_scores(logits[None], self.batch)
+
+    @contextmanager
+    def _layer_flops(self) -> Iterator[tuple[list[int], list[int]]]:
+        """Count, during the block, each layer's matmul FLOPs and the whole pass's: ``([layer], [total])``."""
+        layers = self.lm.adapter.layers()
+        per_layer, total, started = [0] * len(layers), [0], [0]
+        with MatmulFlops() as counter:
+            def enter(module, args, i=None):
+                started[0] = counter.total
+
+            def leave(i):
+                def hook(module, args, output):
+                    per_layer[i] += counter.total - started[0]
+                return hook
+
+            handles = [h for i, layer in enumerate(layers)
+                       for h in (layer.register_forward_pre_hook(enter), layer.register_forward_hook(leave(i)))]
+            try:
+                yield per_layer, total
+            finally:
+                for h in handles:
+                    h.remove()
+                total[0] = counter.total
+
+    def _weigh_layers(self, per_layer: list[int], total: list[int]) -> None:
+        """Each layer's and the readout's share of a clean forward, in layer units (they sum to ``n_layers``
+        for the whole model). A truncated engine's clean pass runs layers ``0..readout_layer``: the whole model's
+        forward is estimated as its readout plus its mean layer times ``n_layers``."""
+        n_layers = self.inventory.n_layers
+        active = per_layer[: self.n_active_layers]
+        readout = total[0] - sum(active)
+        whole = total[0] if self.readout_layer is None else readout + sum(active) / len(active) * n_layers
+        if whole <= 0 or any(f <= 0 for f in active):  # nothing counted (an unusual layer): plain layer counts
+            return
+        unit = whole / n_layers
+        self._layer_units = [f / unit for f in active]
+        self._readout_units = readout / unit
+
+    def _pass_units(self, first: int, last: int | None = None, *, last_only: bool = False,
+                    readout: bool = True) -> float:
+        """Layer units of one prompt's pass that recomputes layers ``first..last`` (default: to the readout
+        layer; one token of T on the query fast path) and, with ``readout``, reads the logits out."""
+        last = self.n_active_layers - 1 if last is None else last
+        layers = sum(self._layer_units[first:last + 1])
+        return (layers / self.n_positions if last_only else layers) + (self._readout_units if readout else 0.0)
+
+    def _prefix_units(self) -> float:
+        """Layer units per prompt of the query fast path's prefix pass (every layer, all but the last token)."""
+        return self._pass_units(0) * (self.n_positions - 1) / self.n_positions
+
+    # -- passes that read heads -----------------------------------------------------------------
+    @staticmethod
+    def watch_span(config: PassConfig, layers: Iterable[int]) -> tuple[int, int]:
+        """The layers a :meth:`watch` pass recomputes: from the first one ``config`` edits or reads (or of
+        ``layers``) to the last of ``layers``."""
+        layers = list(layers)
+        touched = [*layers, *(layer for layer, _ in config.proj_edits), *config.prob_edits, *config.prob_sinks,
+                   *config.qk_sinks, *config.mixer_sinks, *config.layer_sinks]
+        return min(touched), max(layers)
+
+    def predicted_watch_fe(self, first: int, last: int) -> float:
+        """What a :meth:`watch` pass over every prompt recomputing layers ``first..last`` costs, in
+        forward-equivalents (the count :meth:`predicted_forward_equivalents` uses)."""
+        return self._pass_units(first, last, readout=False) / self.inventory.n_layers
+
+    def watch(self, config: PassConfig, layers: Iterable[int], rows: slice | None = None) -> None:
+        """One forward over the prompts ``rows`` (default all) for a pass that only reads heads (patterns, read
+        tests): ``config``'s edits and sinks apply, the layers before the first one it edits or reads return the
+        clean pass's hidden states (prefix reuse), and the pass stops after the last of ``layers`` (no later
+        layer, no unembedding). Costs :meth:`predicted_watch_fe` of :meth:`watch_span`."""
+        first, last = self.watch_span(config, layers)
+        if last >= self.n_active_layers:
+            raise ValueError(f"layer {last} is after readout layer {self.readout_layer}")
+        rows = rows if rows is not None else slice(0, self.n_prompts)
+        inputs = {k: (v[rows] if isinstance(v, torch.Tensor) else v) for k, v in self._inputs(1).items()}
+        config.halt_after = last
+        if first > 0:
+            config.start_layer = first
+            config.start_hidden = self.hidden[first - 1][rows]
+        with torch.no_grad(), self.intervener.run(config):
+            self.model(**inputs)
+        self.layer_rows += int(inputs["input_ids"].shape[0]) * self._pass_units(first, last, readout=False)
 
     # -- edits ----------------------------------------------------------------------------------
     def _proj_inputs(self, keys: Iterable[tuple[int, str]]) -> dict[tuple[int, str], torch.Tensor]:
@@ -296,14 +378,19 @@ class AblationEngine:
 
         edits = {key: grab(key) for key in keys}
         if edits:
-            with torch.no_grad(), self.intervener.run(PassConfig(proj_edits=edits)):
-                self.model(**self._inputs(1))
+            self.watch(PassConfig(proj_edits=edits), [layer for layer, _ in edits])
         return captured
+
+    def _missing_inputs(self, ablations: Iterable[Ablation]) -> tuple[set[tuple[int, str]], set[tuple[int, str]]]:
+        """The groups whose clean inputs the ablations' mean edits / holds need and the engine has not kept yet."""
+        ablations = list(ablations)
+        means = {(h.layer, h.kind) for a in ablations if a.method == "mean" for h in a.heads} - set(self._means)
+        holds = {(h.layer, h.kind) for a in ablations for h in a.hold} - set(self._clean_proj)
+        return means, holds
 
     def _prefetch(self, ablations: Sequence[Ablation]) -> None:
         """Capture, in one clean pass, every group input the ablations' mean edits and holds need."""
-        means = {(h.layer, h.kind) for a in ablations if a.method == "mean" for h in a.heads} - set(self._means)
-        holds = {(h.layer, h.kind) for a in ablations for h in a.hold} - set(self._clean_proj)
+        means, holds = self._missing_inputs(ablations)
         if not means and not holds:
             return
         captured = self._proj_inputs(means | holds)
@@ -401,11 +488,18 @@ class AblationEngine:
 
     def predicted_forward_equivalents(self, ablations: Sequence[Ablation]) -> float:
         """What :meth:`run` will cost for ``ablations``, in forward-equivalents of the whole model over the
-        batch, by the same count as :attr:`layer_rows` (layers recomputed × prompts; one token of T on the
-        query fast path): exact, so the evidence stage can plan within a budget before it runs anything."""
+        batch, by the same count as :attr:`layer_rows` (layers recomputed × prompts, each layer and the readout
+        weighed by its measured FLOPs; one token of T on the query fast path; the passes that keep mean or held
+        values and the fast path's prefix when they are still to run): exact, so the evidence stage can plan within
+        a budget before it runs anything."""
         distinct = {replace(a, label=""): a for a in ablations}.values()
-        rows = sum((self.n_active_layers - a.first_layer) / (self.n_positions if self._last_only(a) else 1)
-                   for a in distinct)
+        rows = sum(self._pass_units(a.first_layer, last_only=self._last_only(a)) for a in distinct)
+        means, holds = self._missing_inputs(distinct)
+        if means or holds:  # the one watch pass that keeps their clean inputs
+            layers = [layer for layer, _ in means | holds]
+            rows += self._pass_units(min(layers), max(layers), readout=False)
+        if self._cache is None and any(self._last_only(a) for a in distinct):
+            rows += self._prefix_units()  # the fast path's prefix keys and values, once
         return rows / self.inventory.n_layers
 
     @property
@@ -481,42 +575,6 @@ class AblationEngine:
         return effect[0], effect[1:]
 
 
-def unit_columns(group: HeadGroup, device: torch.device | str) -> torch.Tensor | None:
-    """``[head, in_features]`` bool: the input columns of every head of ``group``, refined heads included;
-    None for a group without refined heads (its heads are the ``width``-column blocks)."""
-    if not group.spans:
-        return None
-    out = torch.zeros(group.n_units, group.count * group.width, dtype=torch.bool, device=device)
-    for index in range(group.n_units):
-        out[index, group.columns(index)] = True
-    return out
-
-
-def replace_heads(edit_mask: torch.Tensor, width: int, means: torch.Tensor | None,
-                   mean_rows: torch.Tensor | None, units: torch.Tensor | None = None
-                   ) -> Callable[[torch.Tensor], torch.Tensor]:
-    """An out-projection input edit: the masked heads' columns become 0, or, on the rows ``mean_rows``
-    marks, the values ``means`` ``[prompt, pos, in]`` (class means, or a held head's clean values).
-    ``units`` (:func:`unit_columns`) maps heads to columns when some heads are refined channel spans."""
-
-    def edit(x: torch.Tensor) -> torch.Tensor:  # x [row, pos, in]
-        rows, pos, _ = x.shape
-        mask = edit_mask[:, -pos:]  # [row, pos, head]; a cached single-token pass sees the last position only
-        if units is not None:  # heads -> the columns they own: [row, pos, in], one column per "head"
-            mask = (mask.to(x.dtype) @ units.to(x.dtype)) > 0
-        heads = x.view(rows, pos, -1, 1 if units is not None else width)  # [row, pos, head, width]
-        if means is None:
-            out = heads.masked_fill(mask[..., None], 0.0)
-        else:
-            repl = means[:, -pos:].reshape(means.shape[0], pos, *heads.shape[2:])  # [prompt, pos, head, width]
-            repl = repl.repeat(rows // means.shape[0], 1, 1, 1)
-            use = mask & mean_rows[:, None, None]
-            out = torch.where(use[..., None], repl, heads.masked_fill(mask[..., None], 0.0))
-        return out.reshape(rows, pos, -1)
-
-    return edit
-
-
 def mediated_share(cost: float, held: float, min_cost: float = 0.0) -> float | None:
     """The share of an ablation's cost (``cost`` < 0, logit-difference units) that holding heads at their
     clean outputs gives back (``held``: the effect with them held): ``1 - held / cost``. None when the
@@ -524,61 +582,3 @@ def mediated_share(cost: float, held: float, min_cost: float = 0.0) -> float | N
     if not cost < -abs(min_cost):  # also None for a NaN cost
         return None
     return 1.0 - held / cost
-
-
-def _after(previous: Callable[[torch.Tensor], torch.Tensor] | None,
-           edit: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``edit`` applied after ``previous`` (this layer's own ablation edits, when there are any)."""
-    return edit if previous is None else (lambda x: edit(previous(x)))
-
-
-def _knockout_probs(knock, n: int, p: int, n_heads: int, t: int, device) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A probability edit: chosen heads' query rows may not read the chosen keys."""
-    mask = torch.zeros(n, p, n_heads, t, t, dtype=torch.bool, device=device)  # [abl, prompt, head, q, k]
-    for a, h, qmask, kmask in knock:
-        mask[a, :, h] = qmask[:, :, None] & kmask[:, None, :]
-    mask = mask.view(n * p, n_heads, t, t)
-
-    def edit(probs: torch.Tensor) -> torch.Tensor:  # [row, head, q, k]
-        return probs.masked_fill(mask[:, :, -probs.shape[2]:, -probs.shape[3]:], 0.0)
-
-    return edit
-
-
-def _capture_components(mixer: torch.nn.Module, holder: dict) -> Callable:
-    """Mixer sink: recompute the SSM components of this pass's rows (for SSM edge knockout)."""
-    from discovery.model import ssm
-
-    def sink(hidden: torch.Tensor, mask: torch.Tensor | None) -> None:
-        holder["comp"] = ssm.ssm_components(mixer, hidden, mask)
-
-    return sink
-
-
-def _knockout_ssm(mixer: torch.nn.Module, holder: dict, knock, p: int, group: HeadGroup,
-                  previous: Callable | None) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Out-projection edit for SSM edge knockout: remove the chosen implicit-attention entries from
-    the scan output, redo the mixer's gating/norm, and take only the knocked-out heads' columns
-    (the gated norm would otherwise leak the change into the other heads)."""
-    import dataclasses
-
-    from discovery.model import ssm
-
-    def edit(x: torch.Tensor) -> torch.Tensor:  # [row, pos, in]
-        if previous is not None:
-            x = previous(x)
-        comp = holder["comp"]
-        y = ssm.scan_output(comp)  # mamba2 [row, pos, head, d_head]; mamba1 [row, pos, channel]
-        delta = torch.zeros_like(y)
-        columns = torch.zeros(x.shape[0], x.shape[-1], dtype=torch.bool, device=x.device)  # [row, in]
-        for a, h, qmask, kmask in knock:
-            rows = slice(a * p, (a + 1) * p)
-            part = dataclasses.replace(comp, **{f: getattr(comp, f)[rows] for f in ("x", "B", "C", "dt", "gate")})
-            start, end = group.span(h)
-            units = [h] if comp.family == "mamba2" else list(range(start, end))
-            delta[rows] += ssm.knockout_delta(part, None, qmask, kmask, heads=units)
-            columns[rows, start:end] = True
-        knocked = ssm.post_scan(mixer, y + delta, comp).to(x.dtype)  # [row, pos, in]
-        return torch.where(columns[:, None, :], knocked, x)
-
-    return edit

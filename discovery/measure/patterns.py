@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import torch
 
 from discovery.heads import HeadGroup
 from discovery.model.intervene import Intervener, PassConfig
-from discovery.model.ssm import SSMComponents
 from discovery.model.loading import LoadedModel
+from discovery.model.ssm import SSMComponents
 from discovery.tasks.base import AnnotatedBatch
+
+if TYPE_CHECKING:
+    from discovery.measure.ablation import AblationEngine
 
 # (group, prompt rows, pattern [batch, head, q, k], extras e.g. {"D": [head]}) -> None
 PatternSink = Callable[[HeadGroup, slice, torch.Tensor, dict], None]
@@ -49,22 +53,29 @@ def group_pattern(group: HeadGroup, comp: SSMComponents) -> tuple[torch.Tensor, 
 
 def for_each_pattern(lm: LoadedModel, batch: AnnotatedBatch, sink: PatternSink, *,
                      layers: Iterable[int] | None = None, kinds: Iterable[str] = ("attn", "ssm"),
-                     chunk_prompts: int = 8, edits_for: Callable[[slice], PassConfig] | None = None) -> None:
+                     chunk_prompts: int = 8, edits_for: Callable[[slice], PassConfig] | None = None,
+                     engine: AblationEngine | None = None) -> None:
     """Call ``sink`` once per (layer, kind, prompt chunk) with that group's patterns.
 
     ``edits_for(rows)`` optionally returns the Intervener edits to apply to those prompts (e.g.
     ``lambda rows: engine.plan([Ablation((gather_head,))], rows)``): patterns under an ablation, for
-    the pair interaction test.
+    the pair interaction test. Every pass stops after the last wanted layer (patterns need no logits);
+    given the ``engine`` of this batch, it also starts at the first layer it edits or reads, from the
+    engine's clean hidden states (:meth:`~discovery.measure.ablation.AblationEngine.watch`).
     """
     from discovery.model import ssm
 
     wanted_layers = set(range(lm.inventory.n_layers) if layers is None else layers)
     groups = [g for g in lm.inventory.groups if g.layer in wanted_layers and g.kind in set(kinds)]
+    if not groups:
+        return
+    if engine is not None and len(engine.batch) != len(batch):
+        raise ValueError("the engine was built on another batch; pass the engine of this batch")
+    last = max(g.layer for g in groups)
     intervener = Intervener(lm.adapter)
     device = next(lm.model.parameters()).device
     for start in range(0, len(batch), chunk_prompts):
         rows = slice(start, min(start + chunk_prompts, len(batch)))
-        part = batch.select(rows).to(device)
         config = edits_for(rows) if edits_for is not None else PassConfig()
         for group in groups:
             if group.pattern == "attention":
@@ -77,19 +88,23 @@ def for_each_pattern(lm: LoadedModel, batch: AnnotatedBatch, sink: PatternSink, 
                     sink(g, r, pattern, {"D": d_skip})
 
                 config.mixer_sinks[group.layer] = on_mixer
+        if engine is not None:
+            engine.watch(config, [g.layer for g in groups], rows)
+            continue
+        config.halt_after = last
         with torch.no_grad(), intervener.run(config):
-            lm.model(**model_inputs(lm.model, part))
+            lm.model(**model_inputs(lm.model, batch.select(rows).to(device)))
 
 
 def pattern_metric_values(lm: LoadedModel, batch: AnnotatedBatch, *, layers: Iterable[int] | None = None,
                           kinds: Iterable[str] = ("attn", "ssm"), chunk_prompts: int = 8,
                           edits_for: Callable[[slice], PassConfig] | None = None,
-                          on_chunk: Callable[[], None] | None = None) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
+                          on_chunk: Callable[[], None] | None = None, engine: AblationEngine | None = None) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
     """Every pattern metric per prompt, ``{(layer, kind): {name: [batch, head]}}`` (NaN where undefined).
 
     The one loop from patterns to metrics (scan, ground truth and the pair test all call it), so the
     patterns are never held beyond one chunk. ``on_chunk`` is called after each (group, chunk), for
-    progress bars; ``edits_for`` is passed to :func:`for_each_pattern`.
+    progress bars; ``edits_for`` and ``engine`` are passed to :func:`for_each_pattern`.
     """
     from discovery.measure import metrics
 
@@ -103,7 +118,8 @@ def pattern_metric_values(lm: LoadedModel, batch: AnnotatedBatch, *, layers: Ite
         if on_chunk is not None:
             on_chunk()
 
-    for_each_pattern(lm, batch, sink, layers=layers, kinds=kinds, chunk_prompts=chunk_prompts, edits_for=edits_for)
+    for_each_pattern(lm, batch, sink, layers=layers, kinds=kinds, chunk_prompts=chunk_prompts, edits_for=edits_for,
+                     engine=engine)
     return {key: {name: torch.cat(v) for name, v in named.items()} for key, named in parts.items()}
 
 

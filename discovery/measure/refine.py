@@ -217,9 +217,9 @@ def _node_evidence(engine: AblationEngine, nodes: list[Node], heads: list[HeadId
         return
     lm, batch = engine.lm, engine.batch
     layers = sorted({n.layer for n in nodes})
-    values = pattern_metric_values(lm, batch, layers=layers, kinds=["ssm"])
+    values = pattern_metric_values(lm, batch, layers=layers, kinds=["ssm"], engine=engine)
     groups = [g for g in lm.inventory.groups if g.layer in layers and g.kind == "ssm"]
-    dla = head_dla(lm, batch, groups)
+    dla = head_dla(lm, batch, groups, engine)
     means = {key: metrics.summarise(named) for key, named in values.items()}
     for node, h in zip(nodes, heads):
         found = means.get((h.layer, h.kind), {})

@@ -16,7 +16,9 @@ Every caller (pattern capture, the ablation engine, attribution, pair tests, pla
 - optional layer stubs: layers before ``start_layer`` return cached clean hidden states instead of
   computing, so an edit in layer l only recomputes layers l..L (prefix reuse); layers after
   ``stop_layer`` pass their input through, so the model is truncated there and read out through its
-  own final norm and unembedding (the minimal model).
+  own final norm and unembedding (the minimal model);
+- an optional halt: the forward stops right after layer ``halt_after`` (no later layer, no unembedding),
+  for passes that only read heads (patterns, read tests); ``run`` swallows the stop.
 
 Weights are never modified (Zamba2 shares weight tensors across layers).
 """
@@ -58,6 +60,11 @@ class PassConfig:
     start_layer: int = 0
     start_hidden: torch.Tensor | None = None  # [batch, pos, d_model]: output of layer start_layer-1
     stop_layer: int | None = None  # layers after this one pass their input through (truncated model)
+    halt_after: int | None = None  # the forward ends after this layer: no logits (a pass that only reads heads)
+
+
+class _Halt(Exception):
+    """Raised after :attr:`PassConfig.halt_after` ran; :meth:`Intervener.run` catches it."""
 
 
 @dataclass
@@ -124,6 +131,10 @@ def _with_hidden(template: Any, hidden: torch.Tensor) -> Any:
     return (hidden, *template[1:])
 
 
+def _halt(module: nn.Module, args: Any, output: Any) -> None:
+    raise _Halt
+
+
 class Intervener:
     """Hooks for one model; use ``with intervener.run(config): model(...)``."""
 
@@ -186,7 +197,12 @@ class Intervener:
                 for index in range(config.stop_layer + 1, len(layers)):
                     layers[index].forward = self._passthrough()
                     patched.append(layers[index])
-            yield state
+            if config.halt_after is not None:  # after the layer's own sinks (hooks run in registration order)
+                handles.append(layers[config.halt_after].register_forward_hook(_halt))
+            try:
+                yield state
+            except _Halt:
+                pass
         finally:
             for handle in handles:
                 handle.remove()

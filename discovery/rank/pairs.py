@@ -104,12 +104,13 @@ def aggregate_metrics_under(lm: Any, batch: Any, ablate: HeadId | None, watch: S
     zero-ablated at every position through the engine's own edits (clean when ``ablate`` is None)."""
     from discovery.measure.patterns import pattern_metric_values
 
+    engine = engine or AblationEngine(lm, batch)
     edits_for = None
     if ablate is not None:
-        engine = engine or AblationEngine(lm, batch)
         edits_for = lambda rows: engine.plan([Ablation((ablate,))], rows)
     found = pattern_metric_values(lm, batch, layers=sorted({h.layer for h in watch}),
-                                  kinds=sorted({h.kind for h in watch}), chunk_prompts=chunk, edits_for=edits_for)
+                                  kinds=sorted({h.kind for h in watch}), chunk_prompts=chunk, edits_for=edits_for,
+                                  engine=engine)
     return {h: {name: float(torch.nanmean(found[(h.layer, h.kind)][name][:, h.index]).item())
                 for name in ("agg_select", "agg_after", "agg_focus")} for h in watch}
 
@@ -187,8 +188,11 @@ def rank_pairs(lm: Any, batch: Any, heads_frame: pl.DataFrame, k: int = 3, *, su
         return out
 
     def ranking_cost(pairs: list[tuple[HeadId, HeadId]]) -> float:
-        n_passes = 1 + len({g for g, _ in pairs})  # patterns: clean, and under each gather head
-        return engine.predicted_forward_equivalents(ranking_ablations(pairs)) + n_passes
+        # pattern passes: the aggregate candidates' layers clean, and from each gather head's layer under it
+        aggregates = [a.layer for _, a in pairs]
+        passes = engine.predicted_watch_fe(min(aggregates), max(aggregates)) + sum(
+            engine.predicted_watch_fe(g.layer, max(a.layer for g2, a in pairs if g2 == g)) for g in {g for g, _ in pairs})
+        return engine.predicted_forward_equivalents(ranking_ablations(pairs)) + passes
 
     def verification_reserve(pairs: list[tuple[HeadId, HeadId]]) -> float:
         """The least the verification will cost: the best pair's joint ablation and its controls."""
@@ -220,7 +224,7 @@ def rank_pairs(lm: Any, batch: Any, heads_frame: pl.DataFrame, k: int = 3, *, su
     ranking_note = {"gather": len(gs), "aggregate": len(as_), "pairs": len(candidates), "fits": fits}
 
     tick = stage_ticker(progress, "pairs: patterns under ablation", 1 + len(gs))
-    clean_agg = aggregate_metrics_under(lm, batch, None, as_)
+    clean_agg = aggregate_metrics_under(lm, batch, None, as_, engine=engine)
     tick(1)
     under = {}
     for g in gs:

@@ -56,12 +56,20 @@ def run(args: argparse.Namespace) -> int:
     from discovery.model.loading import load_model
     from pipelines import pipeline
 
+    from rich.console import Console
+
+    from pipelines.progress import reporter, stage
+
     summary = read_scan(args.dir).summary
-    lm = load_model(summary.get("spec"), device=args.device) if args.load_model or rerun else None
-    if args.budget is not None:
-        _set_budget(args.dir, summary, str(args.budget))
-    # the verdict is decided again from the tables whatever reran, then drawn
-    result = pipeline.finish(lm, args.dir, start=rerun or "verdict")
+    with reporter(Console(stderr=True, emoji=False)) as progress:  # rich bars in a terminal, plain lines in a log
+        lm = None
+        if args.load_model or rerun:
+            with stage(progress, "loading model"):
+                lm = load_model(summary.get("spec"), device=args.device)
+        if args.budget is not None:
+            _set_budget(args.dir, summary, str(args.budget))
+        # the verdict is decided again from the tables whatever reran, then drawn
+        result = pipeline.finish(lm, args.dir, start=rerun or "verdict", progress=progress)
     if rerun:
         from discovery.rank.verdict import HeadRef
 
