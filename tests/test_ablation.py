@@ -3,6 +3,7 @@ and zeroing a head through the adapter equals zeroing its columns of the output 
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -251,3 +252,23 @@ def test_predicted_cost_is_what_runs_cost_and_duplicates_run_once(engine):
     assert torch.equal(copies, scores.logit_diff[:len(distinct)][::2])
     first = Scores(*(scores[m][:len(distinct)] for m in ("acc", "logit_diff", "gold_logprob")))
     _close(first, engine.run_naive(distinct))
+
+
+def test_mediation_on_the_query_fast_path_equals_the_full_runs_at_its_predicted_cost(engine):
+    """The mediation test recomputes only the query for heads held there (attention models): the same
+    effects as running each held ablation over the whole sequence, at the cost mediation_cost predicts,
+    which on the fast path is below the full runs'."""
+    heads = list(engine.inventory.heads())
+    gather = heads[0]
+    holds = [(h,) for h in heads if h.layer > gather.layer][:6]
+    base = Ablation((gather,), "zero", ("segment",))
+    runs = [base, *(replace(base, hold=h) for h in holds)]
+    full = engine.effects(runs).logit_diff.double().mean(1)  # [1 + hold]
+    predicted = engine.mediation_cost(base, holds)
+    engine.layer_rows = 0
+    cost, held = engine.mediation(base, holds)
+    assert engine.forward_equivalents == pytest.approx(predicted, rel=1e-9)
+    assert [cost, *held] == pytest.approx(full.tolist(), abs=1e-5)
+    assert max(abs(x - cost) for x in held) > 1e-6  # holding a head changes something
+    if engine.query_fast_path:
+        assert predicted < engine.predicted_forward_equivalents(runs)

@@ -9,6 +9,8 @@ mediation test, how much of an edit's effect flows through the held heads).
 - rows = ablation × prompt in one forward (chunked to a memory budget);
 - the clean run's hidden state before layer l is reused, so an ablation whose first edited layer is
   l only recomputes layers l..L (layers before l are stubbed by the :class:`Intervener`);
+- on attention-only models a query-position ablation recomputes the last token only, on the clean
+  prefix's keys and values; the mediation test's held heads likewise, on the ablated prefix's;
 - :meth:`AblationEngine.run_naive` is the reference: one full forward per ablation, as the papers'
   notebooks do; tests and ``gascan bench`` check the two agree.
 
@@ -22,20 +24,25 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
-from discovery.heads import HeadId, Inventory
+from discovery.heads import HeadId
 from discovery.measure.edits import (
+    METHODS,
+    SCOPES,
+    Ablation,
     _after,
     _capture_components,
     _knockout_probs,
     _knockout_ssm,
     class_index,
     class_means,
+    keep_only,
     replace_heads,
     scope_positions,
+    single_head_ablations,
     unit_columns,
 )
 from discovery.measure.flops import MatmulFlops
@@ -43,65 +50,12 @@ from discovery.model.intervene import Intervener, PassConfig
 from discovery.model.loading import LoadedModel
 from discovery.tasks.base import AnnotatedBatch
 
-METHODS = ("zero", "mean", "knockout")
-SCOPES = ("all", "query", "summary", "segment", "label")
+# the module's API; Ablation and its constructors live in discovery.measure.edits, re-exported here
+__all__ = ["METHODS", "METRICS", "SCOPES", "Ablation", "AblationEngine", "Progress", "Scores", "class_index",
+           "class_means", "keep_only", "mediated_share", "query_scores", "scope_positions", "single_head_ablations",
+           "stage_ticker"]
+
 METRICS = ("acc", "logit_diff", "gold_logprob")
-
-
-@dataclass(frozen=True)
-class Ablation:
-    """Heads edited together in one forward.
-
-    ``scope``: position classes where the heads' outputs are edited (``all`` = every real token);
-    for ``knockout`` the scope gives the *query* rows and ``keys`` the key positions those rows may
-    no longer read (attention probabilities, or implicit-attention entries for SSM heads, set to 0).
-    ``hold``: heads whose outputs at ``hold_scope`` keep their clean-run values whatever the edit
-    changes upstream; the part of the edit's effect that disappears is the part mediated by them.
-    """
-
-    heads: tuple[HeadId, ...]
-    method: str = "zero"
-    scope: tuple[str, ...] = ("all",)
-    keys: tuple[str, ...] = ("segment",)
-    label: str = ""
-    hold: tuple[HeadId, ...] = ()
-    hold_scope: tuple[str, ...] = ("query",)
-
-    def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"unknown ablation method {self.method!r}; use one of {METHODS}")
-        bad = [s for s in (*self.scope, *self.keys, *self.hold_scope) if s not in SCOPES]
-        if bad:
-            raise ValueError(f"unknown position class {bad[0]!r}; use one of {SCOPES}")
-        if not self.heads:
-            raise ValueError("an ablation needs at least one head")
-        both = set(self.heads) & set(self.hold)
-        if both:
-            raise ValueError(f"head {min(both)} is both ablated and held; hold only heads the ablation leaves alone")
-
-    @property
-    def first_layer(self) -> int:
-        return min(h.layer for h in self.heads)
-
-    @property
-    def name(self) -> str:
-        held = f" holding {'+'.join(str(h) for h in self.hold)}" if self.hold else ""
-        return self.label or "+".join(str(h) for h in self.heads) + held
-
-
-def single_head_ablations(heads: Iterable[HeadId], method: str = "zero", scope: Sequence[str] = ("all",),
-                          keys: Sequence[str] = ("segment",)) -> list[Ablation]:
-    """One ablation per head (the sweep)."""
-    return [Ablation((h,), method, tuple(scope), tuple(keys)) for h in heads]
-
-
-def keep_only(inventory: Inventory, layers: Iterable[int], keep: Iterable[HeadId], method: str = "zero",
-              scope: Sequence[str] = ("all",), label: str = "") -> Ablation:
-    """Every head of ``layers`` ablated except ``keep``."""
-    keep_set = set(keep)
-    layer_set = set(layers)
-    heads = tuple(h for h in inventory.heads() if h.layer in layer_set and h not in keep_set)
-    return Ablation(heads, method, tuple(scope), label=label or f"keep_only({','.join(map(str, sorted(keep_set)))})")
 
 
 @dataclass
@@ -126,15 +80,6 @@ def query_scores(query_logits: torch.Tensor, batch: AnnotatedBatch) -> Scores:
 
     parts = [next_token_scores(query_logits[a], batch) for a in range(query_logits.shape[0])]
     return Scores(*(torch.stack([p[m].float() for p in parts]) for m in METRICS))
-
-
-@dataclass
-class _Plan:
-    """Edits of one chunk: rows are ablation-major (row = ablation * n_prompts + prompt)."""
-
-    ablations: list[Ablation]
-    n_prompts: int
-    edits: PassConfig = field(default_factory=PassConfig)
 
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total): what a command's progress bar takes
@@ -244,11 +189,12 @@ class AblationEngine:
             self._cache = out["cache"] if "cache" in out else out.past_key_values
         return self._cache
 
-    def _forward_last(self, repeat: int, config: PassConfig) -> torch.Tensor:
-        """Logits at the last position with only the last token recomputed, ``[repeat * prompt, vocab]``."""
+    def _forward_last(self, repeat: int, config: PassConfig, prefix: object = None) -> torch.Tensor:
+        """Logits at the last position with only the last token recomputed, ``[repeat * prompt, vocab]``, on the
+        keys/values of ``prefix`` (default the clean prefix)."""
         import copy
 
-        cache = copy.deepcopy(self._prefix_cache())
+        cache = copy.deepcopy(self._prefix_cache() if prefix is None else prefix)
         cache.reorder_cache(torch.arange(repeat * self.n_prompts, device=self.device) % self.n_prompts)
         inputs = self._inputs(repeat)
         inputs["input_ids"] = inputs["input_ids"][:, -1:]
@@ -381,6 +327,15 @@ class AblationEngine:
             self.watch(PassConfig(proj_edits=edits), [layer for layer, _ in edits])
         return captured
 
+    def prefetch_cost(self, ablations: Iterable[Ablation]) -> float:
+        """What :meth:`prefetch` costs for ``ablations`` in forward-equivalents: one watch pass over the layers
+        of the inputs still to keep (0 when all are kept)."""
+        means, holds = self._missing_inputs(ablations)
+        if not means and not holds:
+            return 0.0
+        layers = [layer for layer, _ in means | holds]
+        return self._pass_units(min(layers), max(layers), readout=False) / self.inventory.n_layers
+
     def _missing_inputs(self, ablations: Iterable[Ablation]) -> tuple[set[tuple[int, str]], set[tuple[int, str]]]:
         """The groups whose clean inputs the ablations' mean edits / holds need and the engine has not kept yet."""
         ablations = list(ablations)
@@ -388,8 +343,10 @@ class AblationEngine:
         holds = {(h.layer, h.kind) for a in ablations for h in a.hold} - set(self._clean_proj)
         return means, holds
 
-    def _prefetch(self, ablations: Sequence[Ablation]) -> None:
-        """Capture, in one clean pass, every group input the ablations' mean edits and holds need."""
+    def prefetch(self, ablations: Sequence[Ablation]) -> None:
+        """Capture, in one clean pass, every group input the ablations' mean edits and holds need and the engine
+        has not kept yet (:meth:`run` and :meth:`mediation` do it themselves; a caller planning several
+        mediation tests calls it once first, at :meth:`prefetch_cost`)."""
         means, holds = self._missing_inputs(ablations)
         if not means and not holds:
             return
@@ -419,9 +376,13 @@ class AblationEngine:
         use this instead of writing edits of their own."""
         return self._plan(list(ablations), rows)
 
-    def _plan(self, ablations: list[Ablation], rows: slice | None = None) -> PassConfig:
-        """Edit functions for a chunk of ablations (rows ablation-major)."""
+    def _plan(self, ablations: list[Ablation], rows: slice | None = None, positions: slice | None = None
+              ) -> PassConfig:
+        """Edit functions for a chunk of ablations (rows ablation-major), for the positions ``positions``
+        (default all; a prefix for a pass that stops before the query)."""
         classes = self.classes if rows is None else {k: v[rows] for k, v in self.classes.items()}
+        if positions is not None:
+            classes = {k: v[:, positions] for k, v in classes.items()}
         n, p = len(ablations), int(classes["all"].shape[0])
         late = [a.name for a in ablations if max(h.layer for h in (*a.heads, *a.hold)) >= self.n_active_layers]
         if late:
@@ -494,10 +455,7 @@ class AblationEngine:
         a budget before it runs anything."""
         distinct = {replace(a, label=""): a for a in ablations}.values()
         rows = sum(self._pass_units(a.first_layer, last_only=self._last_only(a)) for a in distinct)
-        means, holds = self._missing_inputs(distinct)
-        if means or holds:  # the one watch pass that keeps their clean inputs
-            layers = [layer for layer, _ in means | holds]
-            rows += self._pass_units(min(layers), max(layers), readout=False)
+        rows += self.prefetch_cost(distinct) * self.inventory.n_layers
         if self._cache is None and any(self._last_only(a) for a in distinct):
             rows += self._prefix_units()  # the fast path's prefix keys and values, once
         return rows / self.inventory.n_layers
@@ -526,7 +484,7 @@ class AblationEngine:
 
     def _run(self, ablations: list[Ablation], progress: Callable[[int], None] | None) -> Scores:
         """:meth:`run` for distinct ablations."""
-        self._prefetch(ablations)
+        self.prefetch(ablations)
         order = sorted(range(len(ablations)), key=lambda i: (ablations[i].first_layer, self._last_only(ablations[i])))
         per_chunk = max(1, self.max_rows // self.n_prompts)
         results: dict[int, Scores] = {}
@@ -569,10 +527,62 @@ class AblationEngine:
     def mediation(self, ablation: Ablation, holds: Sequence[Sequence[HeadId]]) -> tuple[float, list[float]]:
         """The mediation test in one batched run: the mean logit-difference effect of ``ablation``, and
         its effect with each head set of ``holds`` held at its clean outputs (at ``ablation.hold_scope``).
-        :func:`mediated_share` turns each pair into the share of the cost those heads carry."""
+        :func:`mediated_share` turns each pair into the share of the cost those heads carry.
+
+        On the query fast path, heads held at the query only and after the ablation's layers change nothing
+        but the query from their layer on: the ablation runs once over the prefix (its keys and values kept)
+        and each hold recomputes the last token from its layer (:meth:`mediation_cost`)."""
         runs = [replace(ablation, hold=()), *(replace(ablation, hold=tuple(h)) for h in holds)]
-        effect = self.effects(runs).logit_diff.mean(1).double().tolist()  # [1 + hold set]
-        return effect[0], effect[1:]
+        if not self._mediation_fast(ablation, holds):
+            effect = self.effects(runs).logit_diff.mean(1).double().tolist()  # [1 + hold set]
+            return effect[0], effect[1:]
+        self.prefetch(runs)  # the held heads' clean values, in one pass
+        prefix = slice(0, self.n_positions - 1)
+        inputs = {k: (v[:, prefix] if isinstance(v, torch.Tensor) and k != "logits_to_keep" else v)
+                  for k, v in self._inputs(1).items()}
+        inputs["use_cache"] = True
+        config = self._plan([runs[0]], positions=prefix)
+        config.stop_layer = self.readout_layer
+        with torch.no_grad(), self.intervener.run(config):  # the ablated prefix: every layer, all but the query
+            out = self.model(**inputs)
+        self.layer_rows += self.n_prompts * self._prefix_units()
+        cache = out["cache"] if "cache" in out else out.past_key_values
+        first = runs[0].first_layer
+        at_query: dict[int, torch.Tensor] = {}  # layer -> the ablated run's output at the query [prompt, 1, d]
+        config = self._plan([runs[0]])
+        config.layer_sinks = {i: (lambda h, i=i: at_query.__setitem__(i, h.detach()))
+                              for i in range(first, self.n_active_layers)}
+        if first > 0:
+            config.start_layer, config.start_hidden = first, self.hidden[first - 1][:, -1:]
+        ld = [self._forward_last(1, config, cache)]
+        by_layer: dict[int, list[int]] = {}
+        for i, run in enumerate(runs[1:], start=1):
+            by_layer.setdefault(min(h.layer for h in run.hold), []).append(i)
+        for layer, members in sorted(by_layer.items()):  # one last-token pass per held layer
+            config = self._plan([runs[i] for i in members])
+            config.start_layer, config.start_hidden = layer, at_query[layer - 1].repeat(len(members), 1, 1)
+            ld.append(self._forward_last(len(members), config, cache))
+        scores = query_scores(torch.cat(ld).view(len(runs), self.n_prompts, -1), self.batch)
+        order = [0, *(i for _, members in sorted(by_layer.items()) for i in members)]
+        effect = (scores.logit_diff - self.clean.logit_diff).mean(1).double().tolist()
+        by_run = dict(zip(order, effect))
+        return by_run[0], [by_run[i] for i in range(1, len(runs))]
+
+    def _mediation_fast(self, ablation: Ablation, holds: Sequence[Sequence[HeadId]]) -> bool:
+        """Whether :meth:`mediation` can recompute only the query for the holds."""
+        last_edit = max(h.layer for h in ablation.heads)
+        return (self.query_fast_path and tuple(ablation.hold_scope) == ("query",) and ablation.method != "knockout"
+                and not ablation.hold and all(h and min(x.layer for x in h) > last_edit for h in holds))
+
+    def mediation_cost(self, ablation: Ablation, holds: Sequence[Sequence[HeadId]]) -> float:
+        """What :meth:`mediation` costs in forward-equivalents (the count :attr:`layer_rows` keeps), with the
+        :meth:`prefetch` of the clean inputs it needs when they are not kept yet."""
+        runs = [replace(ablation, hold=()), *(replace(ablation, hold=tuple(h)) for h in holds)]
+        if not self._mediation_fast(ablation, holds):
+            return self.predicted_forward_equivalents(runs)
+        units = self._prefix_units() + self._pass_units(ablation.first_layer, last_only=True) + sum(
+            self._pass_units(min(x.layer for x in h), last_only=True) for h in holds)
+        return units / self.inventory.n_layers + self.prefetch_cost(runs)
 
 
 def mediated_share(cost: float, held: float, min_cost: float = 0.0) -> float | None:

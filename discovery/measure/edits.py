@@ -1,15 +1,77 @@
-"""How an ablation edits heads inside a forward: the position classes it edits at, the out-projection
+"""What an ablation is (:class:`Ablation`: which heads, how, where) and how it edits heads inside a forward:
+the position classes it edits at, the out-projection
 input edits (zero, mean, clean values for held heads) and the edge knockouts (attention probabilities;
 SSM implicit-attention entries), as functions the :class:`~discovery.model.intervene.Intervener`
 applies. The ablation engine builds them (:meth:`~discovery.measure.ablation.AblationEngine.plan`);
 the attribution screen shares the position classes."""
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 
-from discovery.heads import HeadGroup
+from discovery.heads import HeadGroup, HeadId, Inventory
+
+METHODS = ("zero", "mean", "knockout")
+SCOPES = ("all", "query", "summary", "segment", "label")
+
+
+@dataclass(frozen=True)
+class Ablation:
+    """Heads edited together in one forward.
+
+    ``scope``: position classes where the heads' outputs are edited (``all`` = every real token);
+    for ``knockout`` the scope gives the *query* rows and ``keys`` the key positions those rows may
+    no longer read (attention probabilities, or implicit-attention entries for SSM heads, set to 0).
+    ``hold``: heads whose outputs at ``hold_scope`` keep their clean-run values whatever the edit
+    changes upstream; the part of the edit's effect that disappears is the part mediated by them.
+    """
+
+    heads: tuple[HeadId, ...]
+    method: str = "zero"
+    scope: tuple[str, ...] = ("all",)
+    keys: tuple[str, ...] = ("segment",)
+    label: str = ""
+    hold: tuple[HeadId, ...] = ()
+    hold_scope: tuple[str, ...] = ("query",)
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"unknown ablation method {self.method!r}; use one of {METHODS}")
+        bad = [s for s in (*self.scope, *self.keys, *self.hold_scope) if s not in SCOPES]
+        if bad:
+            raise ValueError(f"unknown position class {bad[0]!r}; use one of {SCOPES}")
+        if not self.heads:
+            raise ValueError("an ablation needs at least one head")
+        both = set(self.heads) & set(self.hold)
+        if both:
+            raise ValueError(f"head {min(both)} is both ablated and held; hold only heads the ablation leaves alone")
+
+    @property
+    def first_layer(self) -> int:
+        return min(h.layer for h in self.heads)
+
+    @property
+    def name(self) -> str:
+        held = f" holding {'+'.join(str(h) for h in self.hold)}" if self.hold else ""
+        return self.label or "+".join(str(h) for h in self.heads) + held
+
+
+def single_head_ablations(heads: Iterable[HeadId], method: str = "zero", scope: Sequence[str] = ("all",),
+                          keys: Sequence[str] = ("segment",)) -> list[Ablation]:
+    """One ablation per head (the sweep)."""
+    return [Ablation((h,), method, tuple(scope), tuple(keys)) for h in heads]
+
+
+def keep_only(inventory: Inventory, layers: Iterable[int], keep: Iterable[HeadId], method: str = "zero",
+              scope: Sequence[str] = ("all",), label: str = "") -> Ablation:
+    """Every head of ``layers`` ablated except ``keep``."""
+    keep_set = set(keep)
+    layer_set = set(layers)
+    heads = tuple(h for h in inventory.heads() if h.layer in layer_set and h not in keep_set)
+    return Ablation(heads, method, tuple(scope), label=label or f"keep_only({','.join(map(str, sorted(keep_set)))})")
+
 
 # Position classes for mean ablation, most specific first: a position takes the first class it is in.
 MEAN_CLASSES = ("query", "summary", "label", "segment", "all")

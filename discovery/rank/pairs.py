@@ -179,20 +179,23 @@ def rank_pairs(lm: Any, batch: Any, heads_frame: pl.DataFrame, k: int = 3, *, su
     ledger = ledger or Ledger(None)
     known = _sweep_singles(frame, head_ids)  # the sweep's own all-position effects: not run again
 
-    def ranking_ablations(pairs: list[tuple[HeadId, HeadId]]) -> list[Ablation]:
-        singles = sorted({h for p in pairs for h in p} - set(known))
-        out = [Ablation((h,), label=str(h)) for h in singles]
-        for g in sorted({g for g, _ in pairs}):
-            seg = Ablation((g,), "zero", ("segment",))
-            out += [seg, *(replace(seg, hold=(a,)) for g2, a in pairs if g2 == g)]
-        return out
+    def mediation_tests(pairs: list[tuple[HeadId, HeadId]]) -> list[tuple[Ablation, list[tuple[HeadId]]]]:
+        """Each gather candidate at the segments, with each of its partners held at the query."""
+        return [(Ablation((g,), "zero", ("segment",)), [(a,) for g2, a in pairs if g2 == g])
+                for g in sorted({g for g, _ in pairs})]
 
     def ranking_cost(pairs: list[tuple[HeadId, HeadId]]) -> float:
+        singles = sorted({h for p in pairs for h in p} - set(known))
+        tests = mediation_tests(pairs)
+        held = [replace(seg, hold=h) for seg, holds in tests for h in holds]
         # pattern passes: the aggregate candidates' layers clean, and from each gather head's layer under it
         aggregates = [a.layer for _, a in pairs]
         passes = engine.predicted_watch_fe(min(aggregates), max(aggregates)) + sum(
             engine.predicted_watch_fe(g.layer, max(a.layer for g2, a in pairs if g2 == g)) for g in {g for g, _ in pairs})
-        return engine.predicted_forward_equivalents(ranking_ablations(pairs)) + passes
+        return (engine.predicted_forward_equivalents([Ablation((h,), label=str(h)) for h in singles])
+                + engine.prefetch_cost(held)  # the held heads' clean values, once for every test
+                + sum(engine.mediation_cost(seg, holds) - engine.prefetch_cost([replace(seg, hold=h) for h in holds])
+                      for seg, holds in tests) + passes)
 
     def verification_reserve(pairs: list[tuple[HeadId, HeadId]]) -> float:
         """The least the verification will cost: the best pair's joint ablation and its controls."""
@@ -215,9 +218,11 @@ def rank_pairs(lm: Any, batch: Any, heads_frame: pl.DataFrame, k: int = 3, *, su
     # the mediation test: each gather head at the segments, alone and with each partner held at the query
     partners = {g: [a for g2, a in candidates if g2 == g] for g in gs}
     tick = stage_ticker(progress, "pairs: mediation", len(gs))
+    tests = mediation_tests(candidates)
+    engine.prefetch([replace(seg, hold=h) for seg, holds in tests for h in holds])  # one pass for every test
     mediation = {}
-    for g in gs:
-        mediation[g] = engine.mediation(Ablation((g,), "zero", ("segment",)), [(a,) for a in partners[g]])
+    for seg, holds in tests:
+        mediation[seg.heads[0]] = engine.mediation(seg, holds)
         tick(1)
     held_cost = {(g, a): held for g in gs for a, held in zip(partners[g], mediation[g][1])}
     min_cost = MIN_MEDIATED_COST * abs(float(engine.clean.logit_diff.mean()))
