@@ -25,7 +25,8 @@ not measured), and the report lists it as untested.
 **The budget** (:class:`Ledger`), in forward-equivalents (one clean forward over the scan's prompts),
 bounds evidence and pairs together. Costs are predicted exactly before anything runs
 (:meth:`~discovery.measure.ablation.AblationEngine.predicted_forward_equivalents`: the layers each ablation
-recomputes) plus one forward per pattern or read pass; each part is shrunk to what is left of its share
+recomputes, each layer and the unembedding weighed by its measured FLOPs; a pattern or read pass costs the
+layers from the first it edits or reads to the last it reads); each part is shrunk to what is left of its share
 (:data:`SHARES`): fewer candidates, fewer group controls (never under :data:`MIN_DRAWS`), fewer groups, fewer
 pair candidates, fewer top pairs verified; the read tests (a pass per gather candidate) and each verified
 pair's random controls (the test's statistics: with 19 instead of 50 the mc toy "verified" a pair the full
@@ -53,7 +54,7 @@ MIN_DRAWS = 19  # random controls a group or pair test keeps at least: the small
 DEFAULT_FACTOR = 1.5  # default budget: evidence + pairs cost at most this many sweeps
 MIN_BUDGET = 200.0  # ... and at least this many: the tests' fixed cost (controls) does not shrink with the model;
 # at 40 the mc toy lost its gather head, at 100 the mc-mamba2 toy lost the group credit of an aggregate head,
-# at 85 Gemma3-270M lost its gather head L5H3 (8 candidates; 140 kept it): docs/scale.md
+# at 79 (1.5x its sweep) Gemma3-270M lost its gather head L5H3 (5 candidates; it needs 12, from 141.5): docs/scale.md
 # shares of the budget: the evidence stage's parts, in the order they run; the pair stage gets the rest
 SHARES = {"position effects": 0.15, "group ablations": 0.35, "minimal model": 0.05, "read tests": 0.05}
 CANDIDATE_LIMITS = (24, 16, 12, 8, 5)  # candidate counts tried, largest first
