@@ -18,8 +18,8 @@ def _shard(name: str, key: str, stage: str = "sweep") -> Shard:
 
 def test_a_finish_shard_is_predicted_from_its_budget_at_the_sweeps_rate():
     """4 layers x 2 heads: the exact sweep is 5 forward-equivalents by layers, so the auto budget is the 200
-    fe floor, of which a finish spends about 0.85; the sweep ran 50 fe in 100 s (2 s per fe), so the finish is
-    predicted at 0.85 x 400 s."""
+    fe floor, of which a finish spends about BUDGET_SHARE; the sweep ran 50 fe in 100 s (2 s per fe), so the finish is
+    predicted at BUDGET_SHARE x 400 s."""
     summary = {"n_layers": 4, "tasks": {"kv": {"seconds": 100.0, "cost": {"forward_equivalents": 50.0}}}}
     layers = {"kv": [0, 0, 1, 1, 2, 2, 3, 3]}
     assert finish_seconds(summary, layers, "auto") == pytest.approx(BUDGET_SHARE * 400.0)

@@ -29,7 +29,8 @@ from pipelines.batch.shards import Shard
 
 FINISH_RATIO_PRIOR = 3.0  # finish / sweep seconds before any is predicted: Gemma3-270M's batches, 2.3-3.1 (docs/batch.md)
 UNBOUNDED_FACTOR = 10.0  # --budget none: evidence + pairs cost about this many sweeps (5-20x measured)
-BUDGET_SHARE = 0.85  # of its budget, what a finish spends: 0.84 SmolLM2-135M, 0.87 Gemma3-270M, 0.81 mc-mamba1
+BUDGET_SHARE = 0.7  # of its budget, what a finish spends (2026-12-07 scans): 0.71 SmolLM2-135M, 0.60 Gemma3-270M,
+# 0.70 mc-transformer, 0.79 mc-mamba1 (0.84, 0.87, 0.81 before pattern passes stopped computing logits)
 
 
 def finish_seconds(summary: Mapping[str, Any], layers_by_task: Mapping[str, Sequence[int]],
