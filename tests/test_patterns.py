@@ -286,13 +286,35 @@ def test_engine_watch_passes_equal_whole_forwards_and_cost_their_span(arch: str,
 def test_dla_from_the_engine_equals_its_own_pass(arch: str, cases) -> None:
     """Direct logit attribution from what the engine's clean pass kept equals head_dla's own forward."""
     from discovery.measure.ablation import AblationEngine
-    from discovery.measure.dla import head_dla
+    from discovery.measure.dla import _group_dla, head_dla
+    from discovery.model.intervene import Intervener, PassConfig
 
     case = cases(arch)
-    groups = list(case.lm.inventory.groups)
-    engine = AblationEngine(case.lm, case.batch)
-    own = head_dla(case.lm, case.batch, groups)
-    kept = head_dla(case.lm, case.batch, groups, engine)
+    lm, batch = case.lm, case.batch
+    groups = list(lm.inventory.groups)
+    engine = AblationEngine(lm, batch)
+    kept = head_dla(lm, batch, groups, engine)
+    # the reference: a forward of its own, capturing the out-projection inputs and the final norm's input
+    rows = torch.arange(len(batch))
+    captured: dict[tuple[int, str], torch.Tensor] = {}
+    norm_in: list[torch.Tensor] = []
+
+    def grab(key):
+        def edit(x):
+            captured[key] = x[rows, batch.query_pos].detach()
+            return x
+        return edit
+
+    norm = lm.adapter.final_norm()
+    handle = norm.register_forward_pre_hook(lambda m, a: norm_in.append(a[0].detach()))
+    try:
+        with torch.no_grad(), Intervener(lm.adapter).run(PassConfig(proj_edits={(g.layer, g.kind): grab((g.layer, g.kind))
+                                                                                for g in groups})):
+            lm.model(**model_inputs(lm.model, batch))
+    finally:
+        handle.remove()
+    with torch.no_grad():
+        own = _group_dla(lm, batch, groups, captured, norm, norm_in[-1][rows, batch.query_pos].float())
     assert set(own) == set(kept) == {(g.layer, g.kind) for g in groups}
     scale = max(float(v.abs().max()) for v in own.values())  # DLA values carry no autograd graph
     assert scale > 0  # not trivially zero

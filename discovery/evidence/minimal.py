@@ -32,28 +32,20 @@ def _readout_logits(lm: LoadedModel, hidden: torch.Tensor) -> torch.Tensor:
 def depth_profile(lm: LoadedModel, batch: AnnotatedBatch, engine: AblationEngine | None = None) -> pl.DataFrame:
     """The task score of the model truncated after each layer: one row per depth ``1..n_layers``.
 
-    Each layer's output at the query position is captured in one clean pass (the Intervener's
-    ``layer_sinks``; given the untruncated ``engine`` of this batch, its clean pass's, so no pass of its own) and read out through the final norm and the unembedding; the last depth is the
-    model itself. Columns: ``depth`` (layers kept), ``layer`` (the last one), ``acc``, ``logit_diff``,
+    Each layer's output at the query position comes from the clean pass of ``engine`` (this batch's, untruncated;
+    default a new one), so no pass of its own, and is read out through the final norm and the unembedding; the
+    last depth is the model itself. Columns: ``depth`` (layers kept), ``layer`` (the last one), ``acc``, ``logit_diff``,
     ``gold_logprob`` (means over prompts), ``chance`` and the shares of the clean score ``acc_frac``
     (above chance: ``(acc - chance) / (clean acc - chance)``, null when the clean model is not above
     chance by a margin) and ``ld_frac`` (``logit_diff / clean logit_diff``, null when that is <= 0).
     """
-    from discovery.measure.patterns import model_inputs
-    from discovery.model.intervene import Intervener, PassConfig
-
-    device = next(lm.model.parameters()).device
-    part = batch.to(device)
-    rows = torch.arange(len(part), device=device)
+    engine = engine or AblationEngine(lm, batch)
+    if len(engine.batch) != len(batch) or engine.readout_layer is not None:
+        raise ValueError("depth_profile needs the untruncated engine of this batch")
+    part = batch.to(engine.device)
+    rows = torch.arange(len(part), device=engine.device)
     n_layers = lm.inventory.n_layers
-    if engine is not None and engine.readout_layer is None and len(engine.batch) == len(batch):
-        captured = {i: engine.hidden[i][rows, part.query_pos] for i in range(n_layers)}
-    else:
-        captured: dict[int, torch.Tensor] = {}
-        sinks = {i: (lambda h, i=i: captured.__setitem__(i, h[rows, part.query_pos].detach()))
-                 for i in range(n_layers)}
-        with torch.no_grad(), Intervener(lm.adapter).run(PassConfig(layer_sinks=sinks, halt_after=n_layers - 1)):
-            lm.model(**model_inputs(lm.model, part))
+    captured = {i: engine.hidden[i][rows, part.query_pos] for i in range(n_layers)}  # [prompt, d_model] per layer
     scores = [query_scores(_readout_logits(lm, captured[i])[None], part) for i in range(n_layers)]
     chance = _chance(batch)
     last = scores[-1]

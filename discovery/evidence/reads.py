@@ -13,7 +13,7 @@ from discovery.evidence.thresholds import EvidenceThresholds
 from discovery.heads import HeadId
 from discovery.measure.ablation import Ablation, AblationEngine
 from discovery.measure.metrics import SELECTION_METRICS, linearised_norm_scale, selection
-from discovery.measure.patterns import group_pattern
+from discovery.measure.patterns import group_pattern, watch_passes_fe
 
 
 def _reader_values(engine: AblationEngine, readers: Sequence[HeadId], ablation: Ablation | None
@@ -102,12 +102,7 @@ def read_pairs(engine: AblationEngine, gathers: Sequence[HeadId], readers: Seque
 def read_test_cost(engine: AblationEngine, gathers: Sequence[HeadId], readers: Sequence[HeadId]) -> float:
     """What :func:`read_test` costs in forward-equivalents: the readers' layers clean, then each gather
     candidate's pass from its own layer to its last reader's."""
-    pairs = read_pairs(engine, gathers, readers)
-    if not pairs:
-        return 0.0
-    layers = [r.layer for _, r in pairs]
-    return engine.predicted_watch_fe(min(layers), max(layers)) + sum(
-        engine.predicted_watch_fe(g.layer, max(r.layer for g2, r in pairs if g2 == g)) for g in {g for g, _ in pairs})
+    return watch_passes_fe(engine, read_pairs(engine, gathers, readers))
 
 
 def read_test(engine: AblationEngine, gathers: Sequence[HeadId], readers: Sequence[HeadId],

@@ -179,15 +179,20 @@ class AblationEngine:
     def _prefix_cache(self):
         """Keys/values of every layer up to the readout layer for all but the last position (computed once)."""
         if self._cache is None:
-            inputs = self._inputs(1)
-            inputs = {k: (v[:, :-1] if k != "use_cache" and k != "logits_to_keep" else v) for k, v in inputs.items()}
-            inputs["use_cache"] = True
-            with torch.no_grad(), self.intervener.run(PassConfig(stop_layer=self.readout_layer)):
-                out = self.model(**inputs)
-            self.layer_rows += self.n_prompts * self._prefix_units()
-            # transformers 5.x names the returned cache ``cache`` (``past_key_values`` is its deprecated alias)
-            self._cache = out["cache"] if "cache" in out else out.past_key_values
+            self._cache = self._prefix_pass(PassConfig())
         return self._cache
+
+    def _prefix_pass(self, config: PassConfig):
+        """One pass over every prompt's positions but the last with ``config``'s edits (planned for those
+        positions), every layer up to the readout layer: the keys/values a last-token pass reads."""
+        inputs = {k: (v[:, :-1] if isinstance(v, torch.Tensor) else v) for k, v in self._inputs(1).items()}
+        inputs["use_cache"] = True
+        config.stop_layer = self.readout_layer
+        with torch.no_grad(), self.intervener.run(config):
+            out = self.model(**inputs)
+        self.layer_rows += self.n_prompts * self._prefix_units()
+        # transformers 5.x names the returned cache ``cache`` (``past_key_values`` is its deprecated alias)
+        return out["cache"] if "cache" in out else out.past_key_values
 
     def _forward_last(self, repeat: int, config: PassConfig, prefix: object = None) -> torch.Tensor:
         """Logits at the last position with only the last token recomputed, ``[repeat * prompt, vocab]``, on the
@@ -234,7 +239,7 @@ class AblationEngine:
         layers = self.lm.adapter.layers()
         per_layer, total, started = [0] * len(layers), [0], [0]
         with MatmulFlops() as counter:
-            def enter(module, args, i=None):
+            def enter(module, args):
                 started[0] = counter.total
 
             def leave(i):
@@ -537,16 +542,8 @@ class AblationEngine:
             effect = self.effects(runs).logit_diff.mean(1).double().tolist()  # [1 + hold set]
             return effect[0], effect[1:]
         self.prefetch(runs)  # the held heads' clean values, in one pass
-        prefix = slice(0, self.n_positions - 1)
-        inputs = {k: (v[:, prefix] if isinstance(v, torch.Tensor) and k != "logits_to_keep" else v)
-                  for k, v in self._inputs(1).items()}
-        inputs["use_cache"] = True
-        config = self._plan([runs[0]], positions=prefix)
-        config.stop_layer = self.readout_layer
-        with torch.no_grad(), self.intervener.run(config):  # the ablated prefix: every layer, all but the query
-            out = self.model(**inputs)
-        self.layer_rows += self.n_prompts * self._prefix_units()
-        cache = out["cache"] if "cache" in out else out.past_key_values
+        # the ablated prefix (all but the query, every layer), then the ablated query, keeping its layer outputs
+        cache = self._prefix_pass(self._plan([runs[0]], positions=slice(0, self.n_positions - 1)))
         first = runs[0].first_layer
         at_query: dict[int, torch.Tensor] = {}  # layer -> the ablated run's output at the query [prompt, 1, d]
         config = self._plan([runs[0]])
@@ -554,19 +551,18 @@ class AblationEngine:
                               for i in range(first, self.n_active_layers)}
         if first > 0:
             config.start_layer, config.start_hidden = first, self.hidden[first - 1][:, -1:]
-        ld = [self._forward_last(1, config, cache)]
+        logits = {0: self._forward_last(1, config, cache)}  # run index -> [prompt, vocab]
         by_layer: dict[int, list[int]] = {}
         for i, run in enumerate(runs[1:], start=1):
             by_layer.setdefault(min(h.layer for h in run.hold), []).append(i)
-        for layer, members in sorted(by_layer.items()):  # one last-token pass per held layer
+        for layer, members in by_layer.items():  # one last-token pass per held layer, from that layer
             config = self._plan([runs[i] for i in members])
             config.start_layer, config.start_hidden = layer, at_query[layer - 1].repeat(len(members), 1, 1)
-            ld.append(self._forward_last(len(members), config, cache))
-        scores = query_scores(torch.cat(ld).view(len(runs), self.n_prompts, -1), self.batch)
-        order = [0, *(i for _, members in sorted(by_layer.items()) for i in members)]
-        effect = (scores.logit_diff - self.clean.logit_diff).mean(1).double().tolist()
-        by_run = dict(zip(order, effect))
-        return by_run[0], [by_run[i] for i in range(1, len(runs))]
+            out = self._forward_last(len(members), config, cache).view(len(members), self.n_prompts, -1)
+            logits.update(zip(members, out))
+        scores = query_scores(torch.stack([logits[i] for i in range(len(runs))]), self.batch)
+        effect = (scores.logit_diff - self.clean.logit_diff).mean(1).double().tolist()  # [1 + hold set]
+        return effect[0], effect[1:]
 
     def _mediation_fast(self, ablation: Ablation, holds: Sequence[Sequence[HeadId]]) -> bool:
         """Whether :meth:`mediation` can recompute only the query for the holds."""

@@ -3,7 +3,6 @@ input, projected through its columns, the final norm (linearised at the clean re
 unembedding onto the gold-vs-rest candidate logits."""
 from __future__ import annotations
 
-import inspect
 from typing import TYPE_CHECKING
 
 import torch
@@ -18,45 +17,19 @@ if TYPE_CHECKING:
 
 def head_dla(lm: LoadedModel, batch: AnnotatedBatch, groups: list[HeadGroup],
              engine: AblationEngine | None = None) -> dict[tuple[int, str], torch.Tensor]:
-    """Direct logit attribution per head ``[head]`` at the query position (final norm frozen).
+    """Direct logit attribution per head ``[head]`` at the query position (final norm frozen), from what the
+    clean pass of ``engine`` (this batch's; default a new one) kept: each group's out-projection input at the
+    query and the last layer's output, so it runs no forward of its own."""
+    from discovery.measure.ablation import AblationEngine
 
-    Given the ``engine`` of this batch, from what its clean pass kept (each group's out-projection input at
-    the query, the last layer's output): no forward of its own."""
-    from discovery.measure.patterns import model_inputs
-    from discovery.model.intervene import Intervener, PassConfig
-
-    device = next(lm.model.parameters()).device
-    part = batch.to(device)
-    rows = torch.arange(len(batch), device=device)
-    norm = lm.adapter.final_norm()
-    if engine is not None and engine.readout_layer is None:
-        if len(engine.batch) != len(batch):
-            raise ValueError("the engine was built on another batch; pass the engine of this batch")
-        captured = engine.query_inputs  # (layer, kind) -> [batch, in_features]
-        resid = engine.hidden[lm.inventory.n_layers - 1][rows, part.query_pos].float()  # [batch, d_model]
-    else:
-        captured: dict[tuple[int, str], torch.Tensor] = {}
-        norm_in: list[torch.Tensor] = []
-
-        def grab(key):
-            def edit(x):
-                captured[key] = x[rows, part.query_pos].detach()  # [batch, in_features]
-                return x
-            return edit
-
-        config = PassConfig(proj_edits={(g.layer, g.kind): grab((g.layer, g.kind)) for g in groups})
-        handle = norm.register_forward_pre_hook(lambda m, a: norm_in.append(a[0].detach()))
-        inputs = model_inputs(lm.model, part)
-        if "logits_to_keep" in inspect.signature(lm.model.forward).parameters:
-            inputs["logits_to_keep"] = 1  # the final norm's input is all it needs
-        try:
-            with torch.no_grad(), Intervener(lm.adapter).run(config):
-                lm.model(**inputs)
-        finally:
-            handle.remove()
-        resid = norm_in[-1][rows, part.query_pos].float()  # [batch, d_model]
+    engine = engine or AblationEngine(lm, batch)
+    if len(engine.batch) != len(batch) or engine.readout_layer is not None:
+        raise ValueError("head_dla needs the untruncated engine of this batch")
+    part = batch.to(engine.device)
+    rows = torch.arange(len(batch), device=engine.device)
+    resid = engine.hidden[lm.inventory.n_layers - 1][rows, part.query_pos].float()  # [batch, d_model]
     with torch.no_grad():
-        return _group_dla(lm, part, groups, captured, norm, resid)
+        return _group_dla(lm, part, groups, engine.query_inputs, lm.adapter.final_norm(), resid)
 
 
 def _group_dla(lm: LoadedModel, part: AnnotatedBatch, groups: list[HeadGroup], captured: dict, norm: torch.nn.Module,

@@ -9,12 +9,12 @@ is handed to a callback as soon as it is computed, and prompts are processed in 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
-from discovery.heads import HeadGroup
+from discovery.heads import HeadGroup, HeadId
 from discovery.model.intervene import Intervener, PassConfig
 from discovery.model.loading import LoadedModel
 from discovery.model.ssm import SSMComponents
@@ -94,6 +94,17 @@ def for_each_pattern(lm: LoadedModel, batch: AnnotatedBatch, sink: PatternSink, 
         config.halt_after = last
         with torch.no_grad(), intervener.run(config):
             lm.model(**model_inputs(lm.model, batch.select(rows).to(device)))
+
+
+def watch_passes_fe(engine: AblationEngine, pairs: Sequence[tuple[HeadId, HeadId]]) -> float:
+    """What reading heads under single-head ablations costs through ``engine.watch``, in forward-equivalents:
+    for ``(ablated, watched)`` pairs, one clean pass over the watched heads' layers and one pass per ablated
+    head from its layer to the last of its watched heads' (the read test, patterns under ablation)."""
+    if not pairs:
+        return 0.0
+    watched = [w.layer for _, w in pairs]
+    return engine.predicted_watch_fe(min(watched), max(watched)) + sum(
+        engine.predicted_watch_fe(a.layer, max(w.layer for a2, w in pairs if a2 == a)) for a in {a for a, _ in pairs})
 
 
 def pattern_metric_values(lm: LoadedModel, batch: AnnotatedBatch, *, layers: Iterable[int] | None = None,

@@ -66,6 +66,7 @@ from discovery.evidence.budget import Ledger, fit, resolve_budget
 from discovery.heads import HeadId
 from discovery.measure.ablation import Ablation, AblationEngine, Progress, mediated_share, stage_ticker
 from discovery.measure.metrics import selection
+from discovery.measure.patterns import watch_passes_fe
 from discovery.rank.classifier import attach_clean, head_features, load_classifier, spread_by_gather
 from discovery.rank.verdict import MIN_CONTROLS, has_ga_roles, is_ga_pair, verified_flag
 from discovery.stats import bootstrap_ci
@@ -188,10 +189,7 @@ def rank_pairs(lm: Any, batch: Any, heads_frame: pl.DataFrame, k: int = 3, *, su
         singles = sorted({h for p in pairs for h in p} - set(known))
         tests = mediation_tests(pairs)
         held = [replace(seg, hold=h) for seg, holds in tests for h in holds]
-        # pattern passes: the aggregate candidates' layers clean, and from each gather head's layer under it
-        aggregates = [a.layer for _, a in pairs]
-        passes = engine.predicted_watch_fe(min(aggregates), max(aggregates)) + sum(
-            engine.predicted_watch_fe(g.layer, max(a.layer for g2, a in pairs if g2 == g)) for g in {g for g, _ in pairs})
+        passes = watch_passes_fe(engine, pairs)  # patterns: the aggregate candidates clean, and under each gather
         return (engine.predicted_forward_equivalents([Ablation((h,), label=str(h)) for h in singles])
                 + engine.prefetch_cost(held)  # the held heads' clean values, once for every test
                 + sum(engine.mediation_cost(seg, holds) - engine.prefetch_cost([replace(seg, hold=h) for h in holds])

@@ -162,8 +162,7 @@ def _named(entries: list[tuple[str, Path | None, int | None]], names: list[str |
 def local_path(spec: str) -> Path:
     """Where a checkpoint spec's files are: a path as given, a packaged (``smollm2``) or bundled
     (``bundled:NAME``) name where gascan scan finds it (a one-line error when its package is missing)."""
-    named = spec_path(spec) if is_named(spec) else None
-    return named if named is not None else Path(spec)
+    return (spec_path(spec) or Path(spec)) if is_named(spec) else Path(spec)
 
 
 def _expand_model(entry: Any, base: Path) -> tuple[list[tuple[str, Path | None, int | None]], list[str | None]]:
