@@ -71,6 +71,40 @@ def test_prefix_reuse_costs_less_than_naive_and_the_count_is_the_flops(engine):
     assert batched == pytest.approx(sum(layers - h.layer for h in heads) / layers, rel=0.5)  # layers dominate
 
 
+def test_shared_prefixes_equal_naive_at_the_predicted_cost_below_the_unshared(engine):
+    """Ablations that agree up to a layer (pair controls with one gather head, a group with a member spared,
+    holds after the edit) share those layers: the same scores as one full forward each, at the predicted
+    cost (= the engine's count), below the cost of running each from its first layer."""
+    heads = list(engine.inventory.heads())
+    gather, later = heads[0], [h for h in heads if h.layer > heads[0].layer]
+    ablations = ([Ablation((gather, h), label="control") for h in later[:6]]
+                 + [Ablation(tuple(x for x in heads[:5] if x != s), label=f"spare:{s}") for s in heads[:5]]
+                 + [replace(Ablation((gather,), scope=("segment",)), hold=(h,)) for h in later[:3]])
+    predicted = engine.predicted_forward_equivalents(ablations)
+    engine.layer_rows = 0
+    shared = engine.run(ablations)
+    assert engine.forward_equivalents == pytest.approx(predicted, rel=1e-9)
+    _close(shared, engine.run_naive(ablations))
+    unshared = sum(engine._pass_units(a.first_layer) for a in ablations) / engine.inventory.n_layers
+    assert predicted < unshared - 0.1
+
+
+def test_plan_shares_exactly_the_layers_ablations_agree_on():
+    """The prefix tree on a 6-layer inventory: controls (x, y) with one x share x's layers until the first y's
+    (layers 1-2), then part (both from layer 3); a lone ablation is one scored pass from its first layer; equal
+    edits are one pass for both."""
+    from discovery.measure.shared import plan_passes
+
+    x, y1, y2, z = HeadId(1, 0, "attn"), HeadId(3, 0, "attn"), HeadId(4, 1, "attn"), HeadId(2, 2, "attn")
+    plan = plan_passes([Ablation((x, y1)), Ablation((x, y2)), Ablation((z,)),
+                        Ablation((x, y1), hold=(HeadId(0, 1, "attn"),))], 6)  # a hold before any edit: no-op
+    spans = sorted((p.start, p.last, p.members) for p in plan)
+    assert spans == [(1, 2, ()), (2, None, (2,)), (3, None, (0, 3)), (3, None, (1,))]
+    stem = next(i for i, p in enumerate(plan) if p.last is not None)
+    assert all(p.parent == stem for p in plan if p.start == 3)
+    assert next(p for p in plan if p.start == 2).parent is None
+
+
 def test_multi_head_and_keep_only(engine):
     inv = engine.inventory
     last = inv.n_layers - 1

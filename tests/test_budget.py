@@ -90,7 +90,7 @@ def test_budget_values_parse_and_resolve():
 @pytest.mark.slow
 def test_a_tight_budget_bounds_the_tests_and_keeps_the_toy_verdict(tmp_path):
     """The bundled toy (16 heads), one sweep, then evidence and pairs unbounded and within 100
-    forward-equivalents (half the default floor; the unbounded tests plan ~190): the budgeted stages run what the ledger planned (its parts sum to at
+    forward-equivalents (half the default floor; the unbounded tests plan ~117): the budgeted stages run what the ledger planned (its parts sum to at
     most the budget where each fitted), cost fewer counted FLOPs, list the heads they left untested (null
     evidence columns, never a decoy), and reach the same verdict."""
     from discovery.artifacts import read_scan
@@ -111,7 +111,7 @@ def test_a_tight_budget_bounds_the_tests_and_keeps_the_toy_verdict(tmp_path):
     fitted = [p for p in record["parts"] if p.get("fits", True)]
     assert len(fitted) == len(record["parts"]) and sum(p["predicted"] for p in fitted) <= 100.0 + 1e-6
     none_record = unbounded.summary["budget"]["mc"]
-    assert none_record["budget"] is None and none_record["spent"] > 1.5 * record["spent"]
+    assert none_record["budget"] is None and none_record["spent"] > 1.3 * record["spent"]
     stages = lambda s: s["stages"]["evidence"]["flops"] + s["stages"]["pairs"]["flops"]
     assert stages(budgeted.summary) < stages(unbounded.summary)
     evidence = read_scan(tmp_path / "budget").evidence

@@ -9,6 +9,8 @@ mediation test, how much of an edit's effect flows through the held heads).
 - rows = ablation × prompt in one forward (chunked to a memory budget);
 - the clean run's hidden state before layer l is reused, so an ablation whose first edited layer is
   l only recomputes layers l..L (layers before l are stubbed by the :class:`Intervener`);
+- ablations that agree on their edits up to a layer share those layers (:mod:`discovery.measure.shared`:
+  random controls, spare-one groups and holds part late);
 - on attention-only models a query-position ablation recomputes the last token only, on the clean
   prefix's keys and values; the mediation test's held heads likewise, on the ablated prefix's;
 - :meth:`AblationEngine.run_naive` is the reference: one full forward per ablation, as the papers'
@@ -22,9 +24,10 @@ input through; the final norm and unembedding read layer k's output): the paper'
 from __future__ import annotations
 
 import inspect
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
@@ -46,58 +49,17 @@ from discovery.measure.edits import (
     unit_columns,
 )
 from discovery.measure.flops import MatmulFlops
+from discovery.measure.scores import METRICS, Progress, Scores, mediated_share, query_scores, stage_ticker
+from discovery.measure.shared import plan_passes
 from discovery.model.intervene import Intervener, PassConfig
 from discovery.model.loading import LoadedModel
 from discovery.tasks.base import AnnotatedBatch
 
-# the module's API; Ablation and its constructors live in discovery.measure.edits, re-exported here
+# the module's API; Ablation and its constructors live in discovery.measure.edits, scores and progress in
+# discovery.measure.scores, re-exported here
 __all__ = ["METHODS", "METRICS", "SCOPES", "Ablation", "AblationEngine", "Progress", "Scores", "class_index",
            "class_means", "keep_only", "mediated_share", "query_scores", "scope_positions", "single_head_ablations",
            "stage_ticker"]
-
-METRICS = ("acc", "logit_diff", "gold_logprob")
-
-
-@dataclass
-class Scores:
-    """Per-ablation, per-prompt scores: each tensor is ``[ablation, prompt]``."""
-
-    acc: torch.Tensor
-    logit_diff: torch.Tensor
-    gold_logprob: torch.Tensor
-
-    def __getitem__(self, metric: str) -> torch.Tensor:
-        return getattr(self, metric)
-
-    @staticmethod
-    def cat(parts: Sequence[Scores], dim: int = 0) -> Scores:
-        return Scores(*(torch.cat([getattr(p, m) for p in parts], dim=dim) for m in METRICS))
-
-
-def query_scores(query_logits: torch.Tensor, batch: AnnotatedBatch) -> Scores:
-    """Scores of ``query_logits`` ``[ablation, prompt, vocab]`` against the batch's candidates."""
-    from discovery.tasks.scoring import next_token_scores
-
-    parts = [next_token_scores(query_logits[a], batch) for a in range(query_logits.shape[0])]
-    return Scores(*(torch.stack([p[m].float() for p in parts]) for m in METRICS))
-
-
-Progress = Callable[[str, int, int], None]  # (stage, done, total): what a command's progress bar takes
-
-
-def stage_ticker(progress: Progress | None, stage: str, total: int) -> Callable[[int], None]:
-    """A callback for :meth:`AblationEngine.run` (``progress=``) that advances ``stage`` by the rows it finished."""
-    done = [0]
-    if progress:
-        progress(stage, 0, total)
-
-    def tick(n: int) -> None:
-        done[0] += n
-        if progress:
-            progress(stage, done[0], total)
-
-    return tick
-
 
 class AblationEngine:
     """Ablation effects of heads on one annotated batch of prompts (see module docstring)."""
@@ -455,11 +417,14 @@ class AblationEngine:
     def predicted_forward_equivalents(self, ablations: Sequence[Ablation]) -> float:
         """What :meth:`run` will cost for ``ablations``, in forward-equivalents of the whole model over the
         batch, by the same count as :attr:`layer_rows` (layers recomputed × prompts, each layer and the readout
-        weighed by its measured FLOPs; one token of T on the query fast path; the passes that keep mean or held
+        weighed by its measured FLOPs; layers several ablations share computed once; one token of T on the query
+        fast path; the passes that keep mean or held
         values and the fast path's prefix when they are still to run): exact, so the evidence stage can plan within
         a budget before it runs anything."""
-        distinct = {replace(a, label=""): a for a in ablations}.values()
-        rows = sum(self._pass_units(a.first_layer, last_only=self._last_only(a)) for a in distinct)
+        distinct = list({replace(a, label=""): a for a in ablations}.values())
+        rows = sum(self._pass_units(a.first_layer, last_only=True) for a in distinct if self._last_only(a))
+        rows += sum(self._pass_units(p.start, p.last, readout=p.last is None) for p in
+                    plan_passes([a for a in distinct if not self._last_only(a)], self.n_active_layers))
         rows += self.prefetch_cost(distinct) * self.inventory.n_layers
         if self._cache is None and any(self._last_only(a) for a in distinct):
             rows += self._prefix_units()  # the fast path's prefix keys and values, once
@@ -488,33 +453,86 @@ class AblationEngine:
         return self._run(ablations, progress)
 
     def _run(self, ablations: list[Ablation], progress: Callable[[int], None] | None) -> Scores:
-        """:meth:`run` for distinct ablations."""
+        """:meth:`run` for distinct ablations: the query fast path's, then the others on their shared prefixes."""
         self.prefetch(ablations)
-        order = sorted(range(len(ablations)), key=lambda i: (ablations[i].first_layer, self._last_only(ablations[i])))
-        per_chunk = max(1, self.max_rows // self.n_prompts)
         results: dict[int, Scores] = {}
+        fast = [i for i, a in enumerate(ablations) if self._last_only(a)]
+        self._run_last_only(ablations, fast, results, progress)
+        full = [i for i, a in enumerate(ablations) if not self._last_only(a)]
+        self._run_shared([ablations[i] for i in full], full, results, progress)
+        return Scores.cat([results[i] for i in range(len(ablations))])
+
+    def _run_last_only(self, ablations: list[Ablation], chosen: list[int], results: dict[int, Scores],
+                       progress: Callable[[int], None] | None) -> None:
+        """Query fast path: chunks of ablations with one first layer, the last token from that layer on."""
+        order = sorted(chosen, key=lambda i: ablations[i].first_layer)
+        per_chunk = max(1, self.max_rows // self.n_prompts)
         start = 0
         while start < len(order):
             layer = ablations[order[start]].first_layer
             chunk = [order[start]]
             while (start + len(chunk) < len(order) and len(chunk) < per_chunk
-                   and ablations[order[start + len(chunk)]].first_layer == layer
-                   and self._last_only(ablations[order[start + len(chunk)]]) == self._last_only(ablations[chunk[0]])):
+                   and ablations[order[start + len(chunk)]].first_layer == layer):
                 chunk.append(order[start + len(chunk)])
             config = self._plan([ablations[i] for i in chunk])
-            last_only = all(self._last_only(ablations[i]) for i in chunk)
             if layer > 0:
                 config.start_layer = layer
-                hidden = self.hidden[layer - 1][:, -1:] if last_only else self.hidden[layer - 1]
-                config.start_hidden = hidden.repeat(len(chunk), 1, 1)
-            logits = self._forward_last(len(chunk), config) if last_only else self._forward(len(chunk), config)
+                config.start_hidden = self.hidden[layer - 1][:, -1:].repeat(len(chunk), 1, 1)
+            logits = self._forward_last(len(chunk), config)
             scores = query_scores(logits.view(len(chunk), self.n_prompts, -1), self.batch)
             for j, i in enumerate(chunk):
                 results[i] = Scores(*(scores[m][j : j + 1] for m in METRICS))
             if progress is not None:
                 progress(len(chunk))
             start += len(chunk)
-        return Scores.cat([results[i] for i in range(len(ablations))])
+
+    def _run_shared(self, ablations: list[Ablation], index: list[int], results: dict[int, Scores],
+                    progress: Callable[[int], None] | None) -> None:
+        """Whole-sequence ablations on the prefix tree of :func:`~discovery.measure.shared.plan_passes`: shared
+        layers run once (a stem keeps its output until its last branch ran), sibling scored passes that start
+        at one layer from one state run in one chunk. ``results[index[i]]`` gets ablation ``i``'s scores."""
+        passes = plan_passes(ablations, self.n_active_layers)
+        branches_left = Counter(p.parent for p in passes if p.parent is not None)
+        kept: dict[int, torch.Tensor] = {}  # stem -> its output [prompt, pos, d_model]
+        per_chunk = max(1, self.max_rows // self.n_prompts)
+        j = 0
+        while j < len(passes):
+            first = passes[j]
+            chunk = [first]
+            while (first.last is None and j + len(chunk) < len(passes) and len(chunk) < per_chunk
+                   and passes[j + len(chunk)].last is None and passes[j + len(chunk)].parent == first.parent
+                   and passes[j + len(chunk)].start == first.start):
+                chunk.append(passes[j + len(chunk)])
+            config = self._plan([ablations[p.ablation] for p in chunk])
+            if first.start > 0:
+                hidden = self.hidden[first.start - 1] if first.parent is None else kept[first.parent]
+                config.start_layer, config.start_hidden = first.start, hidden.repeat(len(chunk), 1, 1)
+            if first.last is not None:
+                kept[j] = self._stem(config, first.last)
+            else:
+                logits = self._forward(len(chunk), config)
+                scores = query_scores(logits.view(len(chunk), self.n_prompts, -1), self.batch)
+                for k, p in enumerate(chunk):
+                    for i in p.members:
+                        results[index[i]] = Scores(*(scores[m][k : k + 1] for m in METRICS))
+                if progress is not None:
+                    progress(sum(len(p.members) for p in chunk))
+            if first.parent is not None:
+                branches_left[first.parent] -= len(chunk)
+                if not branches_left[first.parent]:
+                    del kept[first.parent]
+            j += len(chunk)
+
+    def _stem(self, config: PassConfig, last: int) -> torch.Tensor:
+        """A shared prefix's pass: ``config``'s edits from its start layer, halted after ``last``; returns
+        that layer's output ``[prompt, pos, d_model]``."""
+        out: dict[str, torch.Tensor] = {}
+        config.layer_sinks = {last: lambda h: out.__setitem__("hidden", h.detach())}
+        config.halt_after = last
+        with torch.no_grad(), self.intervener.run(config):
+            self.model(**self._inputs(1))
+        self.layer_rows += self.n_prompts * self._pass_units(config.start_layer, last, readout=False)
+        return out["hidden"]
 
     def run_naive(self, ablations: Sequence[Ablation]) -> Scores:
         """Reference: one full forward over all prompts per ablation, no prefix reuse."""
@@ -579,12 +597,3 @@ class AblationEngine:
         units = self._prefix_units() + self._pass_units(ablation.first_layer, last_only=True) + sum(
             self._pass_units(min(x.layer for x in h), last_only=True) for h in holds)
         return units / self.inventory.n_layers + self.prefetch_cost(runs)
-
-
-def mediated_share(cost: float, held: float, min_cost: float = 0.0) -> float | None:
-    """The share of an ablation's cost (``cost`` < 0, logit-difference units) that holding heads at their
-    clean outputs gives back (``held``: the effect with them held): ``1 - held / cost``. None when the
-    ablation costs less than ``min_cost``, where the share would be noise."""
-    if not cost < -abs(min_cost):  # also None for a NaN cost
-        return None
-    return 1.0 - held / cost
