@@ -89,6 +89,42 @@ def test_shared_prefixes_equal_naive_at_the_predicted_cost_below_the_unshared(en
     assert predicted < unshared - 0.1
 
 
+def test_candidates_only_readout_scores_as_the_full_one_at_its_predicted_cost(engine):
+    """``logprob=False`` (random controls) reads out only the candidates' unembedding rows: the same accuracy and
+    logit difference as the whole-vocabulary readout, gold log-prob not scored (NaN), at the predicted cost
+    (= the engine's count = the counted FLOPs), below the full readout's."""
+    from discovery.measure.flops import MatmulFlops
+
+    assert engine.readout is not None  # every tiny architecture's readout is norm, unembedding (and soft-cap)
+    heads = [h for h in engine.inventory.heads() if h.index < 1]
+    ablations = [*single_head_ablations(heads), Ablation(tuple(heads[:2]))]
+    full = engine.run(ablations)
+    predicted = engine.predicted_forward_equivalents(ablations, logprob=False)
+    engine.layer_rows = 0
+    with MatmulFlops() as counted:
+        short = engine.run(ablations, logprob=False)
+    assert engine.forward_equivalents == pytest.approx(predicted, rel=1e-9)
+    one_forward = engine._unit_flops * engine.inventory.n_layers  # a clean forward's FLOPs over the batch
+    assert counted.total / one_forward == pytest.approx(predicted, rel=1e-6)
+    assert predicted < engine.predicted_forward_equivalents(ablations)
+    assert torch.allclose(short.logit_diff, full.logit_diff, atol=1e-5) and torch.equal(short.acc, full.acc)
+    assert short.gold_logprob.isnan().all()
+    query = single_head_ablations(heads, scope=("query",))  # the query fast path, too
+    assert torch.allclose(engine.run(query, logprob=False).logit_diff, engine.run(query).logit_diff, atol=1e-5)
+
+
+def test_a_readout_the_shortcut_cannot_reproduce_keeps_the_full_one():
+    """The candidates-only readout is checked against the clean logits: a model that scales its logits in a way
+    it does not know (here a soft-cap the shortcut would apply and the model does not) keeps the full readout."""
+    lm = load_model("tiny:llama")
+    batch = annotate(mc_prompts(4), lm.tokenizer, padding_side="left")
+    lm.model.config.final_logit_softcapping = 0.5  # read by the shortcut only; llama's forward ignores it
+    engine = AblationEngine(lm, batch)
+    assert engine.readout is None
+    scores = engine.run([Ablation((engine.inventory.heads()[0],))], logprob=False)
+    assert not scores.gold_logprob.isnan().any()
+
+
 def test_plan_shares_exactly_the_layers_ablations_agree_on():
     """The prefix tree on a 6-layer inventory: controls (x, y) with one x share x's layers until the first y's
     (layers 1-2), then part (both from layer 3); a lone ablation is one scored pass from its first layer; equal

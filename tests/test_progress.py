@@ -198,7 +198,8 @@ def test_a_piped_ray_batch_forwards_its_actors_stage_lines_uncoloured(tmp_path):
     for stage in ("ablation \\(all\\)", "position effects", "pairs: verification \\(joint \\+ controls\\)"):
         assert re.search(rf"^{actor}: {stage}  0/\d+  started$", err, re.MULTILINE), (stage, err[-2000:])
         assert re.search(rf"^{actor}: {stage}  (\d+)/\1  done in \d+s$", err, re.MULTILINE), (stage, err[-2000:])
-    assert re.search(r"^gascan: batch shards  2/2  done in \d+s", err, re.MULTILINE)
+    # the driver's own line; Ray forwards the actors' lines asynchronously, so under load one may share its line
+    assert re.search(r"gascan: batch shards  2/2  done in \d+s", err)
 
 
 def test_a_ray_actor_prints_its_shards_stages_only_when_asked(capsys, monkeypatch):

@@ -6,6 +6,7 @@ import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import polars as pl
@@ -198,7 +199,9 @@ def group_ablations(engine: AblationEngine, frame: pl.DataFrame, thresholds: Evi
     groups = list(groups) if groups is not None else role_groups(frame, th, clean_ld=clean_ld)
     pool = [h for h in engine.inventory.heads() if h.layer < engine.n_active_layers]
     joint_of = {g.name: Ablation(g.heads, "zero", g.scope, label=g.name) for g in groups}
-    predicted = engine.predicted_forward_equivalents
+    # every test here reads the logit difference (and the joint ablations accuracy): candidates-only readout
+    predicted = partial(engine.predicted_forward_equivalents, logprob=False)
+    run = partial(engine.run, logprob=False)
 
     # 1. every group's joint ablation (fewer groups only if even these do not fit)
     allowed = ledger.allowance("group ablations") if ledger is not None else None
@@ -208,7 +211,7 @@ def group_ablations(engine: AblationEngine, frame: pl.DataFrame, thresholds: Evi
                       untested=[g.name for g in groups if g not in tested], fits=fits)
     joints = [joint_of[g.name] for g in tested]
     tick = stage_ticker(progress, "group ablations (joint)", len(joints))
-    effects = engine.effects(joints, engine.run(joints, progress=tick)) if joints else None
+    effects = engine.effects(joints, run(joints, progress=tick)) if joints else None
     rows: dict[str, dict[str, Any]] = {}
     joint_ld: dict[str, torch.Tensor] = {}
     for i, g in enumerate(tested):
@@ -252,7 +255,7 @@ def group_ablations(engine: AblationEngine, frame: pl.DataFrame, thresholds: Evi
             if g not in kept:
                 del rows[g.name]
         tick = stage_ticker(progress, "group ablations (controls)", len(ablations))
-        control_ld = engine.effects(ablations, engine.run(ablations, progress=tick)).logit_diff.double().mean(-1) \
+        control_ld = engine.effects(ablations, run(ablations, progress=tick)).logit_diff.double().mean(-1) \
             if ablations else torch.zeros(0, dtype=torch.float64)  # [draw]
         start = 0
         for g, draws in plans:
@@ -283,7 +286,7 @@ def group_ablations(engine: AblationEngine, frame: pl.DataFrame, thresholds: Evi
     if spare:
         spare_abl = _spare_ablations(plans, None, spare)
         tick = stage_ticker(progress, "group ablations (spare one)", len(spare_abl))
-        spared = engine.effects(spare_abl, engine.run(spare_abl, progress=tick)).logit_diff.double()  # [spare, prompt]
+        spared = engine.effects(spare_abl, run(spare_abl, progress=tick)).logit_diff.double()  # [spare, prompt]
         for j, (r, h) in enumerate(spare):
             g = plans[r][0]
             m, lo, _ = (float(x) for x in bootstrap_ci(spared[j] - joint_ld[g.name], bootstrap, seed=seed))

@@ -13,20 +13,9 @@ from discovery.evidence.positions import position_effects
 from discovery.evidence.thresholds import MINIMAL_SCOPES, EvidenceThresholds
 from discovery.heads import HeadId
 from discovery.measure.ablation import AblationEngine, Progress, query_scores
+from discovery.measure.scores import readout_logits
 from discovery.model.loading import LoadedModel
 from discovery.tasks.base import AnnotatedBatch
-
-
-def _readout_logits(lm: LoadedModel, hidden: torch.Tensor) -> torch.Tensor:
-    """Logits from residual states ``[batch, d_model]`` through the model's final norm and unembedding."""
-    adapter = lm.adapter
-    with torch.no_grad():
-        x = adapter.final_norm()(hidden[:, None, :])  # [batch, 1, d_model]
-        logits = adapter.unembed()(x)[:, 0].float()  # [batch, vocab]
-    cap = getattr(lm.model.config, "final_logit_softcapping", None)
-    if cap:  # Gemma 2/3 squash the final logits
-        logits = torch.tanh(logits / cap) * cap
-    return logits
 
 
 def depth_profile(lm: LoadedModel, batch: AnnotatedBatch, engine: AblationEngine | None = None) -> pl.DataFrame:
@@ -46,7 +35,7 @@ def depth_profile(lm: LoadedModel, batch: AnnotatedBatch, engine: AblationEngine
     rows = torch.arange(len(part), device=engine.device)
     n_layers = lm.inventory.n_layers
     captured = {i: engine.hidden[i][rows, part.query_pos] for i in range(n_layers)}  # [prompt, d_model] per layer
-    scores = [query_scores(_readout_logits(lm, captured[i])[None], part) for i in range(n_layers)]
+    scores = [query_scores(readout_logits(lm.adapter, captured[i])[None], part) for i in range(n_layers)]
     chance = _chance(batch)
     last = scores[-1]
     clean_acc, clean_ld = float(last.acc.mean()), float(last.logit_diff.mean())

@@ -25,13 +25,11 @@ from __future__ import annotations
 
 import inspect
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 
 import torch
 
-from discovery.heads import HeadId
 from discovery.measure.edits import (
     METHODS,
     SCOPES,
@@ -48,8 +46,16 @@ from discovery.measure.edits import (
     single_head_ablations,
     unit_columns,
 )
-from discovery.measure.flops import MatmulFlops
-from discovery.measure.scores import METRICS, Progress, Scores, mediated_share, query_scores, stage_ticker
+from discovery.measure.flops import MatmulFlops, layer_flops
+from discovery.measure.mediation import MediationTests, mediated_share
+from discovery.measure.scores import (
+    METRICS,
+    CandidateReadout,
+    Progress,
+    Scores,
+    query_scores,
+    stage_ticker,
+)
 from discovery.measure.shared import plan_passes
 from discovery.model.intervene import Intervener, PassConfig
 from discovery.model.loading import LoadedModel
@@ -61,7 +67,7 @@ __all__ = ["METHODS", "METRICS", "SCOPES", "Ablation", "AblationEngine", "Progre
            "class_means", "keep_only", "mediated_share", "query_scores", "scope_positions", "single_head_ablations",
            "stage_ticker"]
 
-class AblationEngine:
+class AblationEngine(MediationTests):
     """Ablation effects of heads on one annotated batch of prompts (see module docstring)."""
 
     def __init__(self, lm: LoadedModel, batch: AnnotatedBatch, *, max_rows: int | None = None,
@@ -98,6 +104,9 @@ class AblationEngine:
         self.layer_rows = 0.0
         self._layer_units: list[float] = [1.0] * n_layers  # [layer], measured by the clean pass
         self._readout_units = 0.0
+        self._unit_flops = 0.0  # FLOPs of one layer unit on one prompt (0: not measured)
+        self._candidate_units = 0.0  # layer units per prompt of the candidates-only readout
+        self.readout: CandidateReadout | None = None  # set by the clean pass
         self.clean = self._clean_pass()
 
     # -- inputs -----------------------------------------------------------------------------------
@@ -121,13 +130,33 @@ class AblationEngine:
             kwargs["logits_to_keep"] = 1
         return kwargs
 
-    def _forward(self, repeat: int, config: PassConfig) -> torch.Tensor:
-        """Logits at the last position, ``[repeat * prompt, vocab]``."""
+    def _forward(self, repeat: int, config: PassConfig, candidates: bool = False) -> torch.Tensor:
+        """Logits at the last position, ``[repeat * prompt, vocab]``; with ``candidates`` the last layer's
+        output there instead, ``[repeat * prompt, d_model]``, for :attr:`readout` (no whole-vocabulary logits)."""
         config.stop_layer = self.readout_layer
+        query = self._halt_at_readout(config) if candidates else None
         with torch.no_grad(), self.intervener.run(config):
             out = self.model(**self._inputs(repeat))
-        self.layer_rows += repeat * self.n_prompts * self._pass_units(config.start_layer)
+        self.layer_rows += repeat * self.n_prompts * self._pass_units(config.start_layer, readout=not candidates)
+        if query is not None:
+            self.layer_rows += repeat * self.n_prompts * self._candidate_units
+            return query["hidden"]
         return out.logits[:, -1, :].float()
+
+    def _halt_at_readout(self, config: PassConfig) -> dict[str, torch.Tensor]:
+        """Make ``config`` stop after the readout layer and keep that layer's output at the query (filled by the
+        pass, key ``hidden``: ``[row, d_model]``)."""
+        last, kept = self.n_active_layers - 1, {}
+        before = config.layer_sinks.get(last)
+
+        def sink(h: torch.Tensor) -> None:
+            if before is not None:
+                before(h)
+            kept["hidden"] = h[:, -1].detach()
+
+        config.layer_sinks = {**config.layer_sinks, last: sink}
+        config.halt_after = last
+        return kept
 
     @property
     def query_fast_path(self) -> bool:
@@ -156,9 +185,10 @@ class AblationEngine:
         # transformers 5.x names the returned cache ``cache`` (``past_key_values`` is its deprecated alias)
         return out["cache"] if "cache" in out else out.past_key_values
 
-    def _forward_last(self, repeat: int, config: PassConfig, prefix: object = None) -> torch.Tensor:
+    def _forward_last(self, repeat: int, config: PassConfig, prefix: object = None, candidates: bool = False
+                      ) -> torch.Tensor:
         """Logits at the last position with only the last token recomputed, ``[repeat * prompt, vocab]``, on the
-        keys/values of ``prefix`` (default the clean prefix)."""
+        keys/values of ``prefix`` (default the clean prefix); with ``candidates`` as :meth:`_forward`."""
         import copy
 
         cache = copy.deepcopy(self._prefix_cache() if prefix is None else prefix)
@@ -170,9 +200,14 @@ class AblationEngine:
         cache_arg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         inputs.update({cache_arg: cache, "use_cache": True})
         config.stop_layer = self.readout_layer
+        query = self._halt_at_readout(config) if candidates else None
         with torch.no_grad(), self.intervener.run(config):
             out = self.model(**inputs)
-        self.layer_rows += repeat * self.n_prompts * self._pass_units(config.start_layer, last_only=True)
+        self.layer_rows += repeat * self.n_prompts * self._pass_units(config.start_layer, last_only=True,
+                                                                      readout=not candidates)
+        if query is not None:
+            self.layer_rows += repeat * self.n_prompts * self._candidate_units
+            return query["hidden"]
         return out.logits[:, -1, :].float()
 
     def _clean_pass(self) -> Scores:
@@ -189,34 +224,28 @@ class AblationEngine:
 
         edits = {(g.layer, g.kind): grab((g.layer, g.kind)) for g in self.inventory.groups
                  if g.layer < self.n_active_layers}
-        with self._layer_flops() as measured:
+        with layer_flops(self.lm.adapter.layers()) as measured:
             logits = self._forward(1, PassConfig(layer_sinks=sinks, proj_edits=edits))
         self._weigh_layers(*measured)
         self.layer_rows = self.n_prompts * self._pass_units(0)
+        self.readout = self._candidate_readout(logits)
         return query_scores(logits[None], self.batch)
 
-    @contextmanager
-    def _layer_flops(self) -> Iterator[tuple[list[int], list[int]]]:
-        """Count, during the block, each layer's matmul FLOPs and the whole pass's: ``([layer], [total])``."""
-        layers = self.lm.adapter.layers()
-        per_layer, total, started = [0] * len(layers), [0], [0]
-        with MatmulFlops() as counter:
-            def enter(module, args):
-                started[0] = counter.total
-
-            def leave(i):
-                def hook(module, args, output):
-                    per_layer[i] += counter.total - started[0]
-                return hook
-
-            handles = [h for i, layer in enumerate(layers)
-                       for h in (layer.register_forward_pre_hook(enter), layer.register_forward_hook(leave(i)))]
-            try:
-                yield per_layer, total
-            finally:
-                for h in handles:
-                    h.remove()
-                total[0] = counter.total
+    def _candidate_readout(self, clean_logits: torch.Tensor) -> CandidateReadout | None:
+        """The candidates-only readout, when it gives this model's logits (checked on the clean pass: a model
+        whose readout does more than final norm, unembedding and soft-capping keeps the full readout; None)."""
+        readout = CandidateReadout(self.lm.adapter, self.batch)
+        query = self.hidden[self.n_active_layers - 1][:, -1][None]  # [1, prompt, d_model]
+        try:
+            with MatmulFlops() as counter:
+                short = readout.cand_logits(query)[0]  # [prompt, cand]
+        except (AttributeError, TypeError, RuntimeError):  # an unembedding without a weight matrix
+            return None
+        full = clean_logits.gather(1, self.batch.cand_first_token)  # [prompt, cand]
+        if not torch.allclose(short, full, atol=1e-4, rtol=1e-4):
+            return None
+        self._candidate_units = counter.total / self._unit_flops if self._unit_flops else 0.0
+        return readout
 
     def _weigh_layers(self, per_layer: list[int], total: list[int]) -> None:
         """Each layer's and the readout's share of a clean forward, in layer units (they sum to ``n_layers``
@@ -229,6 +258,7 @@ class AblationEngine:
         if whole <= 0 or any(f <= 0 for f in active):  # nothing counted (an unusual layer): plain layer counts
             return
         unit = whole / n_layers
+        self._unit_flops = unit
         self._layer_units = [f / unit for f in active]
         self._readout_units = readout / unit
 
@@ -414,16 +444,18 @@ class AblationEngine:
         """Whether ``ablation`` runs on the query fast path (only the last token recomputed)."""
         return self.query_fast_path and ablation.scope == ("query",)
 
-    def predicted_forward_equivalents(self, ablations: Sequence[Ablation]) -> float:
+    def predicted_forward_equivalents(self, ablations: Sequence[Ablation], *, logprob: bool = True) -> float:
         """What :meth:`run` will cost for ``ablations``, in forward-equivalents of the whole model over the
         batch, by the same count as :attr:`layer_rows` (layers recomputed × prompts, each layer and the readout
         weighed by its measured FLOPs; layers several ablations share computed once; one token of T on the query
         fast path; the passes that keep mean or held
         values and the fast path's prefix when they are still to run): exact, so the evidence stage can plan within
-        a budget before it runs anything."""
+        a budget before it runs anything. ``logprob`` as :meth:`run`."""
         distinct = list({replace(a, label=""): a for a in ablations}.values())
-        rows = sum(self._pass_units(a.first_layer, last_only=True) for a in distinct if self._last_only(a))
-        rows += sum(self._pass_units(p.start, p.last, readout=p.last is None) for p in
+        read = self._candidate_units if self._candidates(logprob) else self._readout_units  # per scored pass
+        rows = sum(self._pass_units(a.first_layer, last_only=True, readout=False) + read
+                   for a in distinct if self._last_only(a))
+        rows += sum(self._pass_units(p.start, p.last, readout=False) + (read if p.last is None else 0.0) for p in
                     plan_passes([a for a in distinct if not self._last_only(a)], self.n_active_layers))
         rows += self.prefetch_cost(distinct) * self.inventory.n_layers
         if self._cache is None and any(self._last_only(a) for a in distinct):
@@ -435,9 +467,16 @@ class AblationEngine:
         """:attr:`layer_rows` so far, in forward-equivalents of the whole model over the batch."""
         return self.layer_rows / (self.n_prompts * self.inventory.n_layers)
 
-    def run(self, ablations: Sequence[Ablation], progress: Callable[[int], None] | None = None) -> Scores:
+    def _candidates(self, logprob: bool) -> bool:
+        """Whether a run scores from the candidates' unembedding rows alone (:attr:`readout`)."""
+        return not logprob and self.readout is not None
+
+    def run(self, ablations: Sequence[Ablation], progress: Callable[[int], None] | None = None, *,
+            logprob: bool = True) -> Scores:
         """Scores for every ablation, ``[ablation, prompt]``, batched and prefix-reusing. Ablations that differ
-        only in their label are computed once (control draws of neighbouring pairs overlap)."""
+        only in their label are computed once (control draws of neighbouring pairs overlap). ``logprob=False``:
+        the caller reads accuracy and logit difference only, so the readout is the candidates' rows
+        (``gold_logprob`` NaN) where :attr:`readout` reproduces the model's logits."""
         ablations = list(ablations)
         if not ablations:
             return Scores(*(torch.empty(0, self.n_prompts) for _ in METRICS))
@@ -445,25 +484,30 @@ class AblationEngine:
         slot = [index.setdefault(replace(a, label=""), len(index)) for a in ablations]
         if len(index) < len(ablations):
             distinct = list(index)
-            scores = self._run(distinct, progress)
+            scores = self._run(distinct, progress, self._candidates(logprob))
             if progress is not None:
                 progress(len(ablations) - len(distinct))  # the duplicates are done too
             pick = torch.tensor(slot)
             return Scores(*(scores[m][pick] for m in METRICS))
-        return self._run(ablations, progress)
+        return self._run(ablations, progress, self._candidates(logprob))
 
-    def _run(self, ablations: list[Ablation], progress: Callable[[int], None] | None) -> Scores:
+    def _scores(self, out: torch.Tensor, n: int, candidates: bool) -> Scores:
+        """Scores ``[ablation, prompt]`` of a pass's output: logits, or query states for :attr:`readout`."""
+        out = out.view(n, self.n_prompts, -1)
+        return self.readout.scores(out) if candidates and self.readout else query_scores(out, self.batch)
+
+    def _run(self, ablations: list[Ablation], progress: Callable[[int], None] | None, candidates: bool) -> Scores:
         """:meth:`run` for distinct ablations: the query fast path's, then the others on their shared prefixes."""
         self.prefetch(ablations)
         results: dict[int, Scores] = {}
         fast = [i for i, a in enumerate(ablations) if self._last_only(a)]
-        self._run_last_only(ablations, fast, results, progress)
+        self._run_last_only(ablations, fast, results, progress, candidates)
         full = [i for i, a in enumerate(ablations) if not self._last_only(a)]
-        self._run_shared([ablations[i] for i in full], full, results, progress)
+        self._run_shared([ablations[i] for i in full], full, results, progress, candidates)
         return Scores.cat([results[i] for i in range(len(ablations))])
 
     def _run_last_only(self, ablations: list[Ablation], chosen: list[int], results: dict[int, Scores],
-                       progress: Callable[[int], None] | None) -> None:
+                       progress: Callable[[int], None] | None, candidates: bool) -> None:
         """Query fast path: chunks of ablations with one first layer, the last token from that layer on."""
         order = sorted(chosen, key=lambda i: ablations[i].first_layer)
         per_chunk = max(1, self.max_rows // self.n_prompts)
@@ -478,8 +522,8 @@ class AblationEngine:
             if layer > 0:
                 config.start_layer = layer
                 config.start_hidden = self.hidden[layer - 1][:, -1:].repeat(len(chunk), 1, 1)
-            logits = self._forward_last(len(chunk), config)
-            scores = query_scores(logits.view(len(chunk), self.n_prompts, -1), self.batch)
+            scores = self._scores(self._forward_last(len(chunk), config, candidates=candidates), len(chunk),
+                                  candidates)
             for j, i in enumerate(chunk):
                 results[i] = Scores(*(scores[m][j : j + 1] for m in METRICS))
             if progress is not None:
@@ -487,7 +531,7 @@ class AblationEngine:
             start += len(chunk)
 
     def _run_shared(self, ablations: list[Ablation], index: list[int], results: dict[int, Scores],
-                    progress: Callable[[int], None] | None) -> None:
+                    progress: Callable[[int], None] | None, candidates: bool) -> None:
         """Whole-sequence ablations on the prefix tree of :func:`~discovery.measure.shared.plan_passes`: shared
         layers run once (a stem keeps its output until its last branch ran), sibling scored passes that start
         at one layer from one state run in one chunk. ``results[index[i]]`` gets ablation ``i``'s scores."""
@@ -510,8 +554,7 @@ class AblationEngine:
             if first.last is not None:
                 kept[j] = self._stem(config, first.last)
             else:
-                logits = self._forward(len(chunk), config)
-                scores = query_scores(logits.view(len(chunk), self.n_prompts, -1), self.batch)
+                scores = self._scores(self._forward(len(chunk), config, candidates), len(chunk), candidates)
                 for k, p in enumerate(chunk):
                     for i in p.members:
                         results[index[i]] = Scores(*(scores[m][k : k + 1] for m in METRICS))
@@ -546,54 +589,3 @@ class AblationEngine:
         """Per-prompt change from the clean run, ``[ablation, prompt]``."""
         scores = scores if scores is not None else self.run(ablations)
         return Scores(*(scores[m] - self.clean[m] for m in METRICS))
-
-    def mediation(self, ablation: Ablation, holds: Sequence[Sequence[HeadId]]) -> tuple[float, list[float]]:
-        """The mediation test in one batched run: the mean logit-difference effect of ``ablation``, and
-        its effect with each head set of ``holds`` held at its clean outputs (at ``ablation.hold_scope``).
-        :func:`mediated_share` turns each pair into the share of the cost those heads carry.
-
-        On the query fast path, heads held at the query only and after the ablation's layers change nothing
-        but the query from their layer on: the ablation runs once over the prefix (its keys and values kept)
-        and each hold recomputes the last token from its layer (:meth:`mediation_cost`)."""
-        runs = [replace(ablation, hold=()), *(replace(ablation, hold=tuple(h)) for h in holds)]
-        if not self._mediation_fast(ablation, holds):
-            effect = self.effects(runs).logit_diff.mean(1).double().tolist()  # [1 + hold set]
-            return effect[0], effect[1:]
-        self.prefetch(runs)  # the held heads' clean values, in one pass
-        # the ablated prefix (all but the query, every layer), then the ablated query, keeping its layer outputs
-        cache = self._prefix_pass(self._plan([runs[0]], positions=slice(0, self.n_positions - 1)))
-        first = runs[0].first_layer
-        at_query: dict[int, torch.Tensor] = {}  # layer -> the ablated run's output at the query [prompt, 1, d]
-        config = self._plan([runs[0]])
-        config.layer_sinks = {i: (lambda h, i=i: at_query.__setitem__(i, h.detach()))
-                              for i in range(first, self.n_active_layers)}
-        if first > 0:
-            config.start_layer, config.start_hidden = first, self.hidden[first - 1][:, -1:]
-        logits = {0: self._forward_last(1, config, cache)}  # run index -> [prompt, vocab]
-        by_layer: dict[int, list[int]] = {}
-        for i, run in enumerate(runs[1:], start=1):
-            by_layer.setdefault(min(h.layer for h in run.hold), []).append(i)
-        for layer, members in by_layer.items():  # one last-token pass per held layer, from that layer
-            config = self._plan([runs[i] for i in members])
-            config.start_layer, config.start_hidden = layer, at_query[layer - 1].repeat(len(members), 1, 1)
-            out = self._forward_last(len(members), config, cache).view(len(members), self.n_prompts, -1)
-            logits.update(zip(members, out))
-        scores = query_scores(torch.stack([logits[i] for i in range(len(runs))]), self.batch)
-        effect = (scores.logit_diff - self.clean.logit_diff).mean(1).double().tolist()  # [1 + hold set]
-        return effect[0], effect[1:]
-
-    def _mediation_fast(self, ablation: Ablation, holds: Sequence[Sequence[HeadId]]) -> bool:
-        """Whether :meth:`mediation` can recompute only the query for the holds."""
-        last_edit = max(h.layer for h in ablation.heads)
-        return (self.query_fast_path and tuple(ablation.hold_scope) == ("query",) and ablation.method != "knockout"
-                and not ablation.hold and all(h and min(x.layer for x in h) > last_edit for h in holds))
-
-    def mediation_cost(self, ablation: Ablation, holds: Sequence[Sequence[HeadId]]) -> float:
-        """What :meth:`mediation` costs in forward-equivalents (the count :attr:`layer_rows` keeps), with the
-        :meth:`prefetch` of the clean inputs it needs when they are not kept yet."""
-        runs = [replace(ablation, hold=()), *(replace(ablation, hold=tuple(h)) for h in holds)]
-        if not self._mediation_fast(ablation, holds):
-            return self.predicted_forward_equivalents(runs)
-        units = self._prefix_units() + self._pass_units(ablation.first_layer, last_only=True) + sum(
-            self._pass_units(min(x.layer for x in h), last_only=True) for h in holds)
-        return units / self.inventory.n_layers + self.prefetch_cost(runs)

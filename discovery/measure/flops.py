@@ -12,6 +12,8 @@ eager passes do.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, ClassVar, Self
 
 import torch
@@ -60,3 +62,27 @@ class MatmulFlops(TorchDispatchMode):
         if formula is not None:
             self.total += int(formula(*args, **kwargs, out_val=out))
         return out
+
+
+@contextmanager
+def layer_flops(layers: Sequence[torch.nn.Module]) -> Iterator[tuple[list[int], list[int]]]:
+    """Count, during the block, each of ``layers``' matmul FLOPs and the whole block's: ``([layer], [total])``
+    (filled when the block ends; how the ablation engine weighs a layer and the readout)."""
+    per_layer, total, started = [0] * len(layers), [0], [0]
+    with MatmulFlops() as counter:
+        def enter(module, args):
+            started[0] = counter.total
+
+        def leave(i):
+            def hook(module, args, output):
+                per_layer[i] += counter.total - started[0]
+            return hook
+
+        handles = [h for i, layer in enumerate(layers)
+                   for h in (layer.register_forward_pre_hook(enter), layer.register_forward_hook(leave(i)))]
+        try:
+            yield per_layer, total
+        finally:
+            for h in handles:
+                h.remove()
+            total[0] = counter.total

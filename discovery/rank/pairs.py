@@ -263,7 +263,7 @@ def rank_pairs(lm: Any, batch: Any, heads_frame: pl.DataFrame, k: int = 3, *, su
     chosen = verification_choice(rows, k)
     allowed = ledger.allowance("pairs")
     n_top, cost, fits = fit(list(range(len(chosen), 0, -1)), lambda n: engine.predicted_forward_equivalents(
-        _verify_ablations(engine, chosen[:n], candidates, control_draws, seed)[0]), allowed)
+        _verify_ablations(engine, chosen[:n], candidates, control_draws, seed)[0], logprob=False), allowed)
     ledger.charge("pairs (verification)", allowed, cost, pairs=n_top, of=len(chosen), controls=control_draws,
                   fits=fits)
     _verify(engine, chosen[:n_top], candidates, control_draws, bootstrap, seed, progress)
@@ -355,7 +355,7 @@ def _verify(engine: AblationEngine, rows: list[dict[str, Any]], candidates: list
     if not rows:
         return
     tick = stage_ticker(progress, "pairs: verification (joint + controls)", len(ablations))
-    effects = engine.effects(ablations, engine.run(ablations, tick))
+    effects = engine.effects(ablations, engine.run(ablations, tick, logprob=False))  # reads ld and acc only
     joint, joint_acc = effects["logit_diff"][:len(rows)].double(), effects["acc"][:len(rows)].double()  # [pair, prompt]
     control_ld = effects["logit_diff"][len(rows):].double().mean(-1)  # [draw]
     start = 0

@@ -34,21 +34,31 @@ def next_token_scores(query_logits: torch.Tensor, batch: AnnotatedBatch) -> dict
     ``query_logits``: ``[batch, vocab]``, the next-token logits at ``batch.query_pos``.
     """
     logits = query_logits.float()  # [batch, vocab]
-    device = logits.device
-    cand = batch.cand_first_token.to(device)  # [batch, cand]
+    cand = batch.cand_first_token.to(logits.device)  # [batch, cand]
+    scores = candidate_scores(logits.gather(1, cand), batch)
+    rows = torch.arange(logits.shape[0], device=logits.device)
+    gold = batch.gold.to(logits.device)  # [batch]
+    scores["gold_logprob"] = torch.log_softmax(logits, dim=-1)[rows, cand[rows, gold]]
+    return scores
+
+
+def candidate_scores(cand_logits: torch.Tensor, batch: AnnotatedBatch) -> dict[str, torch.Tensor]:
+    """:func:`next_token_scores` from the candidates' first-token logits alone (``[batch, cand]``, the batch's
+    ``cand_first_token`` order): ``acc`` and ``logit_diff`` need nothing else; ``gold_logprob`` needs the whole
+    vocabulary and is NaN (not scored)."""
+    device = cand_logits.device
     mask = _cand_mask(batch, device)  # [batch, cand]
     gold = batch.gold.to(device)  # [batch]
-    rows = torch.arange(logits.shape[0], device=device)
-    cand_logits = logits.gather(1, cand).masked_fill(~mask, float("-inf"))  # [batch, cand]
+    rows = torch.arange(cand_logits.shape[0], device=device)
+    cand_logits = cand_logits.float().masked_fill(~mask, float("-inf"))  # [batch, cand]
     gold_logit = cand_logits[rows, gold]  # [batch]
     others = mask.clone()
     others[rows, gold] = False
     other_mean = cand_logits.masked_fill(~others, 0.0).sum(1) / others.sum(1).clamp(min=1)  # [batch]
-    logprobs = torch.log_softmax(logits, dim=-1)  # [batch, vocab]
     return {
         "acc": (cand_logits.argmax(dim=1) == gold).float(),
         "logit_diff": gold_logit - other_mean,
-        "gold_logprob": logprobs[rows, cand[rows, gold]],
+        "gold_logprob": torch.full_like(gold_logit, float("nan")),
         "cand_logits": cand_logits,
     }
 
