@@ -104,8 +104,8 @@ class AblationEngine(MediationTests):
         self.layer_rows = 0.0
         self._layer_units: list[float] = [1.0] * n_layers  # [layer], measured by the clean pass
         self._readout_units = 0.0
-        self._unit_flops = 0.0  # FLOPs of one layer unit on one prompt (0: not measured)
-        self._candidate_units = 0.0  # layer units per prompt of the candidates-only readout
+        self._unit_flops = 0.0  # FLOPs of one layer unit: a clean forward over the batch / n_layers (0: unmeasured)
+        self._candidate_units = 0.0  # the candidates-only readout, in layer units (as _readout_units)
         self.readout: CandidateReadout | None = None  # set by the clean pass
         self.clean = self._clean_pass()
 
@@ -448,9 +448,9 @@ class AblationEngine(MediationTests):
         """What :meth:`run` will cost for ``ablations``, in forward-equivalents of the whole model over the
         batch, by the same count as :attr:`layer_rows` (layers recomputed × prompts, each layer and the readout
         weighed by its measured FLOPs; layers several ablations share computed once; one token of T on the query
-        fast path; the passes that keep mean or held
-        values and the fast path's prefix when they are still to run): exact, so the evidence stage can plan within
-        a budget before it runs anything. ``logprob`` as :meth:`run`."""
+        fast path; the passes that keep mean or held values and the fast path's prefix when they are still to
+        run): exact, so the evidence stage can plan within a budget before it runs anything. ``logprob`` as
+        :meth:`run`."""
         distinct = list({replace(a, label=""): a for a in ablations}.values())
         read = self._candidate_units if self._candidates(logprob) else self._readout_units  # per scored pass
         rows = sum(self._pass_units(a.first_layer, last_only=True, readout=False) + read
