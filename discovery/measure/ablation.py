@@ -298,14 +298,21 @@ class AblationEngine(MediationTests):
         if last >= self.n_active_layers:
             raise ValueError(f"layer {last} is after readout layer {self.readout_layer}")
         rows = rows if rows is not None else slice(0, self.n_prompts)
-        inputs = {k: (v[rows] if isinstance(v, torch.Tensor) else v) for k, v in self._inputs(1).items()}
-        config.halt_after = last
         if first > 0:
             config.start_layer = first
             config.start_hidden = self.hidden[first - 1][rows]
+        self._halted_pass(config, last, rows)
+
+    def _halted_pass(self, config: PassConfig, last: int, rows: slice | None = None) -> None:
+        """One forward over the prompts ``rows`` (default all) from ``config``'s start layer, halted after
+        ``last`` (no later layer, no unembedding), counted in :attr:`layer_rows`: watch passes and stems."""
+        rows = rows if rows is not None else slice(0, self.n_prompts)
+        inputs = {k: (v[rows] if isinstance(v, torch.Tensor) else v) for k, v in self._inputs(1).items()}
+        config.halt_after = last
         with torch.no_grad(), self.intervener.run(config):
             self.model(**inputs)
-        self.layer_rows += int(inputs["input_ids"].shape[0]) * self._pass_units(first, last, readout=False)
+        self.layer_rows += int(inputs["input_ids"].shape[0]) * self._pass_units(config.start_layer, last,
+                                                                                readout=False)
 
     # -- edits ----------------------------------------------------------------------------------
     def _proj_inputs(self, keys: Iterable[tuple[int, str]]) -> dict[tuple[int, str], torch.Tensor]:
@@ -494,7 +501,7 @@ class AblationEngine(MediationTests):
     def _scores(self, out: torch.Tensor, n: int, candidates: bool) -> Scores:
         """Scores ``[ablation, prompt]`` of a pass's output: logits, or query states for :attr:`readout`."""
         out = out.view(n, self.n_prompts, -1)
-        return self.readout.scores(out) if candidates and self.readout else query_scores(out, self.batch)
+        return self.readout.scores(out) if candidates and self.readout is not None else query_scores(out, self.batch)
 
     def _run(self, ablations: list[Ablation], progress: Callable[[int], None] | None, candidates: bool) -> Scores:
         """:meth:`run` for distinct ablations: the query fast path's, then the others on their shared prefixes."""
@@ -571,10 +578,7 @@ class AblationEngine(MediationTests):
         that layer's output ``[prompt, pos, d_model]``."""
         out: dict[str, torch.Tensor] = {}
         config.layer_sinks = {last: lambda h: out.__setitem__("hidden", h.detach())}
-        config.halt_after = last
-        with torch.no_grad(), self.intervener.run(config):
-            self.model(**self._inputs(1))
-        self.layer_rows += self.n_prompts * self._pass_units(config.start_layer, last, readout=False)
+        self._halted_pass(config, last)
         return out["hidden"]
 
     def run_naive(self, ablations: Sequence[Ablation]) -> Scores:
