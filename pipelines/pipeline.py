@@ -31,6 +31,7 @@ from discovery.artifacts import (
     write_scan,
 )
 from discovery.measure.cost import Cost, Meter
+from discovery.measure.engines import EngineCache
 from discovery.model.loading import LoadedModel
 from discovery.rank.verdict import Verdict, decide
 from pipelines import resume
@@ -87,17 +88,18 @@ def run(lm: LoadedModel, options: ScanOptions, out: str | Path, *, progress: Pro
         return ScanResult(out, scan.heads, scan.summary, verdict, html)
     run_id = resume.new_run_id()
     resume.begin(out, fp, STAGES, start)
+    engines = EngineCache()  # the stages of this run share each task's clean pass
     if start == "sweep":
-        _sweep_stage(lm, options, out, fp, run_id, progress)
+        _sweep_stage(lm, options, out, fp, run_id, progress, engines)
     result = finish(lm, out, start=max(start, "evidence", key=STAGES.index), progress=progress, report=report,
-                    run_id=run_id)
+                    run_id=run_id, engines=engines)
     if start == "sweep":
         result.ran.insert(0, "sweep")
     return result
 
 
 def _sweep_stage(lm: LoadedModel, options: ScanOptions, out: Path, fp: Mapping[str, Any], run_id: str,
-                 progress: Progress | None) -> None:
+                 progress: Progress | None, engines: EngineCache | None = None) -> None:
     """The sweep, task by task: a task whose part (table and marker) a stopped run left is not rescanned."""
     from discovery.artifacts import STAGE_DIR, drop_parts, read_marker, write_marker
     from discovery.io import write_parquet
@@ -114,7 +116,7 @@ def _sweep_stage(lm: LoadedModel, options: ScanOptions, out: Path, fp: Mapping[s
                 restored += _cost(tasks[task]["cost"])
                 n_restored += 1
                 continue
-            frame, tasks[task] = scan_task(lm, task, options, progress=progress)
+            frame, tasks[task] = scan_task(lm, task, options, progress=progress, engines=engines)
             frames.append(frame)
             write_parquet(out / table, frame)
             write_marker(out, part, key, [table], {"task": task, "summary": tasks[task]})
@@ -158,11 +160,12 @@ def _sweep_parts(tasks: Mapping[str, Mapping[str, Any]], unit: float | None) -> 
 
 
 def finish(lm: LoadedModel | None, out: str | Path, *, start: str = "evidence", progress: Progress | None = None,
-           report: bool = True, run_id: str | None = None) -> ScanResult:
+           report: bool = True, run_id: str | None = None, engines: EngineCache | None = None) -> ScanResult:
     """The stages after the sweep, from ``start`` on, on a directory that holds the sweep's
     ``heads.parquet`` and ``summary.json``: evidence, pairs (both skipped when the sweep measured no
     effects), verdict, report. ``lm`` may be None when ``start`` is "verdict" or "report" (the report then
-    uses the saved example pattern). Each stage commits its files, marker and cost (:func:`resume.commit`)."""
+    uses the saved example pattern). Each stage commits its files, marker and cost (:func:`resume.commit`).
+    ``engines``: the run's engines (the sweep's clean passes); evidence and pairs share one either way."""
     from discovery.evidence import scan_evidence
     from discovery.rank.pairs import scan_pairs
 
@@ -189,10 +192,12 @@ def finish(lm: LoadedModel | None, out: str | Path, *, start: str = "evidence", 
         ran.append(stage)
 
     ran: list[str] = []
+    engines = engines if engines is not None else EngineCache()
     if "evidence" in todo:
         with _stage("evidence") as meter:
             if scored:
-                tables, fields = scan_evidence(lm, scan.heads, scan.summary, progress=progress, budget=budget)
+                tables, fields = scan_evidence(lm, scan.heads, scan.summary, progress=progress, budget=budget,
+                                               engines=engines)
                 write_evidence(out, tables, fields)
         commit("evidence", [f"{name}.parquet" for name in tables] if scored else [], meter.cost, skipped=not scored)
         scan = read_scan(out)
@@ -200,7 +205,7 @@ def finish(lm: LoadedModel | None, out: str | Path, *, start: str = "evidence", 
         with _stage("pairs") as meter:
             if scored:
                 pairs, fields = scan_pairs(lm, scan.heads, scan.summary, evidence=scan.evidence, budget=budget,
-                                           progress=progress)
+                                           progress=progress, engines=engines)
                 write_pairs(out, pairs, fields)
         commit("pairs", [PAIRS_FILE] if scored else [], meter.cost, skipped=not scored)
     if "verdict" in todo:

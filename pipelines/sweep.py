@@ -20,6 +20,7 @@ from discovery.measure.ablation import AblationEngine, Progress, single_head_abl
 from discovery.measure.attribution import atp_effects, rank_agreement
 from discovery.measure.cost import Cost, Meter
 from discovery.measure.dla import head_dla
+from discovery.measure.engines import EngineCache
 from discovery.model.loading import LoadedModel
 from discovery.stats import bootstrap_ci
 from discovery.tasks import build_task
@@ -82,12 +83,14 @@ def _effect_columns(columns: dict[HeadId, dict[str, Any]], heads: Sequence[HeadI
 
 
 def scan_task(lm: LoadedModel, task_spec: str, options: ScanOptions, *, layers: Sequence[int] | None = None,
-              progress: Progress | None = None) -> tuple[pl.DataFrame, dict[str, Any]]:
+              progress: Progress | None = None, engines: EngineCache | None = None
+              ) -> tuple[pl.DataFrame, dict[str, Any]]:
     """Scan one task on the heads of ``layers`` (default all): the head table rows and task summary.
 
     The summary's ``forward_flops`` is the matmul FLOPs of one clean forward over the task's prompts (the
     unit of forward-equivalents) and ``parts`` the cost of each part: clean forward, patterns (with direct
-    logit attribution), each ablation sweep, the attribution screen, the Mamba-1 channel refinement."""
+    logit attribution), each ablation sweep, the attribution screen, the Mamba-1 channel refinement. ``engines``:
+    keeps the task's engine (its clean pass) for the later stages of the same process."""
     inv = lm.inventory
     requested = options.ablation
     options = replace(options, ablation=resolve_ablation(requested, [h.layer for h in inv.heads()], inv.n_layers,
@@ -99,7 +102,8 @@ def scan_task(lm: LoadedModel, task_spec: str, options: ScanOptions, *, layers: 
         heads = [h for g in groups for h in g.heads()]
         parts: dict[str, Cost] = {}
         with Meter() as meter:
-            engine = AblationEngine(lm, batch, max_memory_mb=options.max_memory_mb)
+            engine = (engines.engine(task_spec, lm, batch, max_memory_mb=options.max_memory_mb) if engines is not None
+                      else AblationEngine(lm, batch, max_memory_mb=options.max_memory_mb))
         parts["clean"] = meter.cost
         clean = {m: float(engine.clean[m].mean()) for m in EFFECT_METRICS}
         columns: dict[HeadId, dict[str, Any]] = {h: {} for h in heads}

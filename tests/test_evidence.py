@@ -243,22 +243,31 @@ def test_planted_ga_circuit_gives_its_clean_pair_and_names_its_decoys():
 
 
 def test_depth_profile_equals_the_truncated_engine():
-    """Reading each layer out through the final norm equals running the engine truncated there."""
+    """Reading each layer out through the final norm equals running the engine truncated there: accuracy and
+    logit difference from the candidates' unembedding rows (the engine's checked shortcut; gold_logprob null
+    at truncated depths), the whole vocabulary when the engine has no shortcut (gold_logprob too)."""
     from discovery.evidence import depth_profile
 
     lm = load_model("tiny:llama")
     batch = annotate(mc_prompts(4), lm.tokenizer, padding_side="left")
     profile = depth_profile(lm, batch)
     engine = AblationEngine(lm, batch)
+    assert engine.readout is not None
     engine.layer_rows = 0
     from_engine = depth_profile(lm, batch, engine)  # the engine's clean hidden states: no pass of its own
     assert engine.layer_rows == 0
-    for column in ("logit_diff", "gold_logprob", "acc"):
+    engine.readout = None  # as for a model whose logits the shortcut cannot reproduce: the full readout
+    full = depth_profile(lm, batch, engine)
+    n = lm.inventory.n_layers
+    assert profile["gold_logprob"].null_count() == n - 1 and full["gold_logprob"].null_count() == 0
+    for column in ("logit_diff", "acc"):
         assert from_engine[column].to_list() == pytest.approx(profile[column].to_list(), abs=1e-5)
-    for depth in range(1, lm.inventory.n_layers + 1):
+        assert full[column].to_list() == pytest.approx(profile[column].to_list(), abs=1e-5)
+    for depth in range(1, n + 1):
         engine = AblationEngine(lm, batch, readout_layer=depth - 1)
         assert abs(profile["logit_diff"][depth - 1] - float(engine.clean.logit_diff.mean())) < 1e-5
-        assert abs(profile["gold_logprob"][depth - 1] - float(engine.clean.gold_logprob.mean())) < 1e-5
+        assert abs(profile["acc"][depth - 1] - float(engine.clean.acc.mean())) < 1e-9
+        assert abs(full["gold_logprob"][depth - 1] - float(engine.clean.gold_logprob.mean())) < 1e-5
 
 
 def test_control_draws_match_size_and_layers():

@@ -8,7 +8,7 @@ import polars as pl
 import torch
 
 from discovery.errors import GascanError
-from discovery.evidence.common import _chance, _clean
+from discovery.evidence.common import _chance, _clean, _num
 from discovery.evidence.positions import position_effects
 from discovery.evidence.thresholds import MINIMAL_SCOPES, EvidenceThresholds
 from discovery.heads import HeadId
@@ -35,7 +35,11 @@ def depth_profile(lm: LoadedModel, batch: AnnotatedBatch, engine: AblationEngine
     rows = torch.arange(len(part), device=engine.device)
     n_layers = lm.inventory.n_layers
     captured = {i: engine.hidden[i][rows, part.query_pos] for i in range(n_layers)}  # [prompt, d_model] per layer
-    scores = [query_scores(readout_logits(lm.adapter, captured[i])[None], part) for i in range(n_layers)]
+    # truncated depths read out the candidates' unembedding rows only when the engine checked that shortcut
+    # (accuracy and logit difference need nothing else; gold_logprob is then null): a whole-vocabulary
+    # readout per layer cost Gemma3-270M 1.4 forward-equivalents. The model itself is read out in full.
+    scores = [engine.readout.scores(captured[i][None]) if engine.readout is not None and i < n_layers - 1
+              else query_scores(readout_logits(lm.adapter, captured[i])[None], part) for i in range(n_layers)]
     chance = _chance(batch)
     last = scores[-1]
     clean_acc, clean_ld = float(last.acc.mean()), float(last.logit_diff.mean())
@@ -43,12 +47,13 @@ def depth_profile(lm: LoadedModel, batch: AnnotatedBatch, engine: AblationEngine
     for i, s in enumerate(scores):
         acc, ld = float(s.acc.mean()), float(s.logit_diff.mean())
         out.append({
-            "depth": i + 1, "layer": i, "acc": acc, "logit_diff": ld, "gold_logprob": float(s.gold_logprob.mean()),
+            "depth": i + 1, "layer": i, "acc": acc, "logit_diff": ld,
+            "gold_logprob": _num(float(s.gold_logprob.mean())),
             "chance": chance,
             "acc_frac": (acc - chance) / (clean_acc - chance) if clean_acc - chance > 1e-9 else None,
             "ld_frac": ld / clean_ld if clean_ld > 1e-9 else None,
         })
-    return pl.DataFrame(out, schema_overrides={"acc_frac": pl.Float64, "ld_frac": pl.Float64})
+    return pl.DataFrame(out, schema_overrides={"acc_frac": pl.Float64, "ld_frac": pl.Float64, "gold_logprob": pl.Float64})
 
 
 def minimal_depth(profile: pl.DataFrame, thresholds: EvidenceThresholds | None = None) -> int | None:

@@ -21,6 +21,7 @@ from discovery.evidence.roles import lives_at, task_done, verdicts
 from discovery.evidence.thresholds import MINIMAL_SCOPES, SCOPE_ABLATIONS, SHORT, EvidenceThresholds
 from discovery.heads import HeadId
 from discovery.measure.ablation import AblationEngine, Progress, single_head_ablations
+from discovery.measure.engines import EngineCache
 from discovery.model.loading import LoadedModel
 from discovery.tasks.base import AnnotatedBatch
 
@@ -244,12 +245,13 @@ def _evidence(table: pl.DataFrame, roles: pl.DataFrame, verdict: Mapping[str, An
 
 def scan_evidence(lm: LoadedModel, heads: pl.DataFrame, summary: Mapping[str, Any],
                   thresholds: EvidenceThresholds | None = None, *, budget: tuple[str, float | None] = ("auto", None),
-                  **kwargs: Any) -> tuple[dict[str, pl.DataFrame], dict[str, Any]]:
+                  engines: EngineCache | None = None, **kwargs: Any) -> tuple[dict[str, pl.DataFrame], dict[str, Any]]:
     """:func:`evidence_report` for every task of a finished scan (``heads.parquet`` + ``summary.json``),
     each task's batch rebuilt exactly as the scan built it. Returns the tables of all tasks concatenated
     (``evidence``, ``evidence_groups``, ``evidence_depth``, ``evidence_reads``; each row names its task)
     and the summary field ``{"evidence": {task: report summary}}``. ``budget``: the parsed ``--budget``
-    (:func:`~discovery.evidence.budget.resolve_budget`), one budget per task."""
+    (:func:`~discovery.evidence.budget.resolve_budget`), one budget per task. ``engines``: the process's engines
+    (the sweep's clean pass, reused when the batch is the same)."""
     from discovery.artifacts import restore_refined
     from discovery.tasks import build_task
     from discovery.tasks.base import annotate
@@ -268,8 +270,9 @@ def scan_evidence(lm: LoadedModel, heads: pl.DataFrame, summary: Mapping[str, An
         kwargs.setdefault("bootstrap", int(options.get("bootstrap", 1000)))
         kwargs.setdefault("max_memory_mb", options.get("max_memory_mb"))
         fe = resolve_budget(*budget, [h.layer for h in lm.inventory.heads()], lm.inventory.n_layers, info)
+        engine = engines.engine(task, lm, batch, max_memory_mb=kwargs["max_memory_mb"]) if engines is not None else None
         report = evidence_report(lm, batch, frame, thresholds, seed=int(task_options.get("seed", 0)),
-                                 ledger=Ledger(fe), **kwargs)
+                                 ledger=Ledger(fe), engine=engine, **kwargs)
         per_task[task] = report.summary
         for name, table in (("evidence", report.heads), ("evidence_groups", report.groups),
                             ("evidence_depth", report.profile), ("evidence_reads", report.reads)):

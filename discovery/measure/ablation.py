@@ -160,12 +160,17 @@ class AblationEngine(MediationTests):
 
     @property
     def query_fast_path(self) -> bool:
-        """Query-position ablations reuse the clean keys/values: later layers process one token.
-
-        Used for attention-only models (every head reads earlier positions only through the KV
-        cache); SSM and hybrid models take the full-sequence path, which gives the same numbers.
-        """
+        """Query-position ablations reuse the clean keys/values, later layers process one token: attention-only
+        models (SSM and hybrid models take the full-sequence path, which gives the same numbers)."""
         return all(g.pattern == "attention" for g in self.inventory.groups)
+
+    def fresh_stage(self) -> None:
+        """Forget what runs kept beyond the clean pass (the fast path's prefix, mean and held values): a stage
+        that reuses this engine then plans and spends as on a fresh one, so its budget decisions do not depend
+        on what ran before it in the same process."""
+        self._cache = None
+        self._means.clear()
+        self._clean_proj.clear()
 
     def _prefix_cache(self):
         """Keys/values of every layer up to the readout layer for all but the last position (computed once)."""

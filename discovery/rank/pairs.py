@@ -65,6 +65,7 @@ from discovery.errors import GascanError
 from discovery.evidence.budget import Ledger, fit, resolve_budget
 from discovery.heads import HeadId
 from discovery.measure.ablation import Ablation, AblationEngine, Progress, mediated_share, stage_ticker
+from discovery.measure.engines import EngineCache
 from discovery.measure.metrics import selection
 from discovery.measure.patterns import watch_passes_fe
 from discovery.rank.classifier import attach_clean, head_features, load_classifier, spread_by_gather
@@ -425,9 +426,11 @@ def merge_fields(per_task: Sequence[Mapping[str, Any]], k: int = 3) -> dict[str,
 
 def scan_pairs(lm: Any, heads: pl.DataFrame, summary: Mapping[str, Any], k: int = 3, *,
                evidence: pl.DataFrame | None = None, budget: tuple[str, float | None] = ("auto", None),
-               progress: Progress | None = None, **kwargs: Any) -> tuple[pl.DataFrame, dict[str, Any]]:
+               progress: Progress | None = None, engines: EngineCache | None = None, **kwargs: Any
+               ) -> tuple[pl.DataFrame, dict[str, Any]]:
     """Pairs for every task of a finished scan: each task's batch rebuilt as the scan built it. With the
-    evidence stage's table (``evidence.parquet``), its roles steer the candidates (see :func:`rank_pairs`)."""
+    evidence stage's table (``evidence.parquet``), its roles steer the candidates (see :func:`rank_pairs`).
+    ``engines``: the process's engines (an earlier stage's clean pass, reused when the batch is the same)."""
     from discovery.artifacts import restore_refined, with_evidence
     from discovery.tasks import build_task
     from discovery.tasks.base import annotate
@@ -448,7 +451,9 @@ def scan_pairs(lm: Any, heads: pl.DataFrame, summary: Mapping[str, Any], k: int 
         spent = ((summary.get("evidence") or {}).get(task) or {}).get("budget")  # what the evidence stage spent
         fe = resolve_budget(*budget, [h.layer for h in lm.inventory.heads()], lm.inventory.n_layers, info)
         ledger = Ledger.from_record(spent, fe)
-        frame, f = rank_pairs(lm, batch, heads, k, summary=summary, task=task,
+        memory = (summary.get("options") or {}).get("max_memory_mb")
+        engine = engines.engine(task, lm, batch, max_memory_mb=memory) if engines is not None else None
+        frame, f = rank_pairs(lm, batch, heads, k, summary=summary, task=task, engine=engine,
                               seed=int(options.get("seed", 0)), ledger=ledger, progress=progress, **kwargs)
         frames.append(frame)
         fields.append(f)
