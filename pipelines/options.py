@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from discovery.errors import GascanError
-from discovery.evidence.budget import MIN_BUDGET, all_position_sweep_fe
+from discovery.evidence.budget import all_position_sweep_fe
 
 ABLATION_MODES = ("auto", "exact", "query", "atp", "screened", "none")
 TABLE_VERSION = 1  # the head table's layout; part of every batch shard key
@@ -60,16 +60,18 @@ class ScanOptions:
         return tuple(f.name for f in fields(cls) if f.name not in ("tasks", "task_options"))
 
 
+SCREEN_ABOVE_FE = 100.0  # auto screens a model whose exact all-position sweep costs more
+
+
 def resolve_ablation(mode: str, head_layers: list[int], n_layers: int, *, sharded: bool) -> str:
     """The sweep ``auto`` stands for: ``screened`` when the exact all-position sweep of every head would
-    cost more than half the evidence budget's floor (:data:`~discovery.evidence.budget.MIN_BUDGET`, so more
-    than ~200 heads: SmolLM2-135M's 270 heads, 140 fe; an 8B model's 1024), ``exact`` otherwise (the bundled
-    toys, Gemma3-270M's 72 heads, 38 fe) and in a layer-range shard, which cannot screen the whole model.
+    cost more than :data:`SCREEN_ABOVE_FE` forward-equivalents (so more than ~200 heads: SmolLM2-135M's 270
+    heads, 140 fe; an 8B model's 1024), ``exact`` otherwise (the bundled toys, Gemma3-270M's 72 heads, 38 fe) and in a layer-range shard, which cannot screen the whole model.
     Any other mode is returned as given. On SmolLM2 (kv named, 16 prompts) the screened scan gave the exact
     scan's verdict for 205 instead of 348 forward-equivalents (docs/scale.md)."""
     if mode != "auto":
         return mode
-    large = all_position_sweep_fe(head_layers, n_layers) > MIN_BUDGET / 2
+    large = all_position_sweep_fe(head_layers, n_layers) > SCREEN_ABOVE_FE
     return "screened" if large and not sharded else "exact"
 
 

@@ -17,17 +17,17 @@ def _shard(name: str, key: str, stage: str = "sweep") -> Shard:
 
 
 def test_a_finish_shard_is_predicted_from_its_budget_at_the_sweeps_rate():
-    """4 layers x 2 heads: the exact sweep is 5 forward-equivalents by layers, so the auto budget is the 200
-    fe floor, of which a finish spends about BUDGET_SHARE; the sweep ran 50 fe in 100 s (2 s per fe), so the finish is
-    predicted at BUDGET_SHARE x 400 s."""
+    """4 layers x 2 heads: the exact sweep is 5 forward-equivalents by layers, so the auto budget is the floor of
+    MIN_PASSES (140) average passes of 5/8 fe, 87.5 fe, of which a finish spends about BUDGET_SHARE; the sweep ran
+    50 fe in 100 s (2 s per fe), so the finish is predicted at BUDGET_SHARE x 175 s."""
     summary = {"n_layers": 4, "tasks": {"kv": {"seconds": 100.0, "cost": {"forward_equivalents": 50.0}}}}
     layers = {"kv": [0, 0, 1, 1, 2, 2, 3, 3]}
-    assert finish_seconds(summary, layers, "auto") == pytest.approx(BUDGET_SHARE * 400.0)
+    assert finish_seconds(summary, layers, "auto") == pytest.approx(BUDGET_SHARE * 175.0)
     assert finish_seconds(summary, layers, "60") == pytest.approx(BUDGET_SHARE * 120.0)  # 60 fe at 2 s/fe
     assert finish_seconds(summary, layers, "300s") == pytest.approx(BUDGET_SHARE * 300.0)  # 300 s = 150 fe
     assert finish_seconds(summary, layers, "none") == pytest.approx(10 * 50 * 2.0)  # unbounded: ~10 sweeps
     two = {"n_layers": 4, "tasks": {t: summary["tasks"]["kv"] for t in ("kv", "mc")}}
-    assert finish_seconds(two, {"kv": layers["kv"], "mc": layers["kv"]}, "auto") == pytest.approx(BUDGET_SHARE * 800)
+    assert finish_seconds(two, {"kv": layers["kv"], "mc": layers["kv"]}, "auto") == pytest.approx(BUDGET_SHARE * 350)
     no_cost = {"n_layers": 4, "tasks": {"kv": {"seconds": 100.0}}}
     assert finish_seconds(no_cost, layers, "auto") is None
 

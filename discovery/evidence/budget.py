@@ -31,9 +31,10 @@ layers from the first it edits or reads to the last it reads); each part is shru
 pair candidates, fewer top pairs verified; the read tests (a pass per gather candidate) and each verified
 pair's random controls (the test's statistics: with 19 instead of 50 the mc toy "verified" a pair the full
 test rejects) are never cut. What was cut is recorded and reported. The default budget
-(:func:`default_budget`) is 1.5x the sweep's cost, so a whole scan costs at most about 2.5x its sweep,
-but at least :data:`MIN_BUDGET`: on small models (the toys, Gemma3-270M) the floor decides, since the tests'
-controls cost the same whatever the number of heads.
+(:func:`default_budget`) is 1.5x the all-position sweep's cost, but at least :data:`MIN_PASSES` average
+single-head passes: the tests' controls are as many passes whatever the number of heads, so on models under
+94 heads (Gemma3-270M) the floor decides; and a model whose forward is so cheap that 200 fe cost at most a
+teraFLOP (the bundled toys) gets 200.
 """
 from __future__ import annotations
 
@@ -52,19 +53,41 @@ from discovery.measure.metrics import selection
 
 MIN_DRAWS = 19  # random controls a group or pair test keeps at least: the smallest count with p <= 0.05 possible
 DEFAULT_FACTOR = 1.5  # default budget: evidence + pairs cost at most this many sweeps
-MIN_BUDGET = 200.0  # ... and at least this many: the tests' fixed cost (controls) does not shrink with the model;
-# at 40 the mc toy lost its gather head, at 100 the mc-mamba2 toy lost the group credit of an aggregate head,
-# at 79 (1.5x its sweep) Gemma3-270M lost its gather head L5H3 (5 candidates; it needs 12, from 141.5): docs/scale.md
-# shares of the budget: the evidence stage's parts, in the order they run; the pair stage gets the rest
-SHARES = {"position effects": 0.15, "group ablations": 0.35, "minimal model": 0.05, "read tests": 0.05}
-CANDIDATE_LIMITS = (24, 16, 12, 8, 5)  # candidate counts tried, largest first
+MIN_PASSES = 140  # ... and at least this many average single-head passes: the tests' statistics fix how many
+# ablations they run, not how many heads the model has. The smallest complete set: one pair verified against
+# its 50 controls (51), two groups against MIN_DRAWS controls each (40), spare-one (~5), position effects and
+# minimal model of MIN_CANDIDATES heads at 3 scopes each (30), read tests (~2), a 2x2 pair ranking (~8): ~136.
+# (The fixed floor of 200 fe this replaces gave Gemma3-270M 5.3x its 38 fe all-position sweep: docs/scale.md.)
+# A model so small that 200 fe cost at most 1 TFLOP (seconds on a CPU: the bundled toys, 0.3-0.6 TFLOP) gets 200 fe:
+# there a budget saves nothing, and the toys' group tests (layer-spanning groups, each control a near-full forward
+# of a 4-layer model) need 110-130 fe to keep their unbounded verdicts (at 87.5 fe mc-mamba2 lost an aggregate head)
+SMALL_MODEL_BUDGET, SMALL_MODEL_FLOPS = 200.0, 1e12
+# shares of the budget: the evidence stage's parts, in the order they run; the pair stage gets the rest. From
+# what each part planned in the six committed default scans (toys, Gemma3-270M, SmolLM2-135M; 2026-12-07):
+# position effects 14-24% (median 22), groups 18-45% (29), minimal model 0-10% (9.5), read tests 0-2%, pairs
+# 30-50% (42): each share near its median, reads with room, and the pairs get what the others leave
+SHARES = {"position effects": 0.22, "group ablations": 0.30, "minimal model": 0.10, "read tests": 0.03}
+MAX_CANDIDATES, MIN_CANDIDATES = 24, 5  # a bounded evidence stage tests between these many heads
 
 
-def default_budget(sweep_fe: float | None) -> float | None:
-    """``DEFAULT_FACTOR`` x the sweep's forward-equivalents, at least ``MIN_BUDGET``; None when unknown."""
-    if not sweep_fe:
+def candidate_counts(n_heads: int) -> list[int]:
+    """The candidate counts a bounded part tries, largest first: every count from :data:`MAX_CANDIDATES` (or
+    one under ``n_heads``) down to :data:`MIN_CANDIDATES`, so a part takes as many heads as its allowance
+    affords (steps of 4 left Gemma3-270M 2 heads short of the gather head L5H3)."""
+    return list(range(min(MAX_CANDIDATES, n_heads - 1), MIN_CANDIDATES - 1, -1))
+
+
+def default_budget(sweep_fe: float | None, n_heads: int, forward_flops: float | None = None) -> float | None:
+    """``DEFAULT_FACTOR`` x the all-position sweep's forward-equivalents over ``n_heads`` heads, at least
+    :data:`MIN_PASSES` of its average single-head pass (``sweep_fe / n_heads``), and :data:`SMALL_MODEL_BUDGET`
+    where that costs at most :data:`SMALL_MODEL_FLOPS` (``forward_flops``: one clean forward over the task's
+    prompts); None when unknown."""
+    if not sweep_fe or n_heads < 1:
         return None
-    return max(DEFAULT_FACTOR * float(sweep_fe), MIN_BUDGET)
+    budget = float(sweep_fe) * max(DEFAULT_FACTOR, MIN_PASSES / n_heads)
+    if forward_flops and SMALL_MODEL_BUDGET * float(forward_flops) <= SMALL_MODEL_FLOPS:
+        budget = max(budget, SMALL_MODEL_BUDGET)
+    return budget
 
 
 def _strength(row: Mapping[str, Any], scopes: Sequence[str], clean_ld: float, fraction: float) -> float | None:
@@ -221,18 +244,19 @@ def resolve_budget(unit: str, amount: float | None, layers: Sequence[int], n_lay
     """The evidence + pairs budget of one task in forward-equivalents (None: unbounded), from a parsed
     ``--budget`` (``unit`` auto, none, fe or s; :func:`pipelines.validate.budget`). ``auto``:
     :func:`default_budget` of the all-position sweep's layer count (the sweep's dominant part; deterministic):
-    every head's, or for ``--ablation screened`` the swept heads' only."""
+    every head's, or for ``--ablation screened`` the swept heads' only, and of the task's ``forward_flops``."""
     if unit == "none":
         return None
     swept = _screened_layers(task_summary)
     if swept is not None:  # --ablation screened: the all-position sweep covered the screen's top heads only
         layers = swept
+    flops = (task_summary or {}).get("forward_flops")
     if unit == "auto":
-        return default_budget(all_position_sweep_fe(layers, n_layers))
+        return default_budget(all_position_sweep_fe(layers, n_layers), len(layers), flops)
     if unit == "fe":
         return amount
     info = task_summary or {}
     seconds, fe = info.get("seconds"), ((info.get("cost") or {}).get("forward_equivalents"))
     if not seconds or not fe:  # no measured rate (a sharded sweep): fall back to the default rule
-        return default_budget(all_position_sweep_fe(layers, n_layers))
+        return default_budget(all_position_sweep_fe(layers, n_layers), len(layers), flops)
     return amount * float(fe) / float(seconds)

@@ -11,7 +11,7 @@ import polars as pl
 import torch
 
 from discovery.errors import GascanError
-from discovery.evidence.budget import CANDIDATE_LIMITS, Ledger, choose_candidates, fit, resolve_budget
+from discovery.evidence.budget import Ledger, candidate_counts, choose_candidates, fit, resolve_budget
 from discovery.evidence.common import _clean, _heads_of, _num
 from discovery.evidence.groups import group_ablations, role_groups
 from discovery.evidence.minimal import depth_profile, minimal_depth, minimal_model_effects
@@ -117,7 +117,7 @@ def evidence_report(lm: LoadedModel, batch: AnnotatedBatch, frame: pl.DataFrame,
     table = frame
     # the candidates: every head when unbounded, else the rule's strongest that the allowance affords
     allowed = ledger.allowance("position effects")
-    limits = [None] if ledger.budget is None else [None, *(n for n in CANDIDATE_LIMITS if n < len(heads))]
+    limits = [None] if ledger.budget is None else [None, *candidate_counts(len(heads))]
 
     def tested(limit: int | None) -> list[HeadId]:
         return choose_candidates(frame, clean["logit_diff"], th, limit)[0]
@@ -152,7 +152,7 @@ def evidence_report(lm: LoadedModel, batch: AnnotatedBatch, frame: pl.DataFrame,
         mm_engine = AblationEngine(lm, batch, readout_layer=depth - 1, max_memory_mb=max_memory_mb)
         below = [h for h in candidates if h.layer < depth]
         allowed = ledger.allowance("minimal model")
-        sizes = sorted({len(below), *(n for n in CANDIDATE_LIMITS if n < len(below))}, reverse=True)
+        sizes = [len(below), *candidate_counts(len(below))]
 
         def mm_heads(n: int) -> list[HeadId]:
             return _strongest(frame, clean["logit_diff"], th, below, n)

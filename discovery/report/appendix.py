@@ -56,7 +56,7 @@ def cost_section(scan: Scan) -> Section | None:
 
 def budget_section(scan: Scan) -> Section | None:
     """The evidence budget per task: the rule, what each part was allowed and ran, and the untested heads."""
-    from discovery.evidence.budget import DEFAULT_FACTOR, MIN_BUDGET
+    from discovery.evidence.budget import DEFAULT_FACTOR, MIN_PASSES, SMALL_MODEL_BUDGET, SMALL_MODEL_FLOPS
     from discovery.report.first_screen import budget_cuts, budget_record, evidence_skipped
 
     rows, paragraphs, rule = [], [], ""
@@ -84,8 +84,9 @@ def budget_section(scan: Scan) -> Section | None:
         return None
     return Section("Evidence budget", [
         "The evidence and pair tests run within a budget of forward-equivalents per task (gascan scan --budget; "
-        f"default {DEFAULT_FACTOR:g}x the exact all-position sweep, at least {MIN_BUDGET:g}). Candidate rule: "
-        f"{rule}. Each part's allowance (its share plus what earlier parts left) and what it ran (predicted "
+        f"default {DEFAULT_FACTOR:g}x the exact all-position sweep, at least {MIN_PASSES} of its average single-head "
+        f"passes, and {SMALL_MODEL_BUDGET:g} where that costs at most {SMALL_MODEL_FLOPS / 1e12:g} TFLOP). "
+        f"Candidate rule: {rule}. Each part's allowance (its share plus what earlier parts left) and what it ran (predicted "
         "from the layers each ablation recomputes, one per pattern or read pass):", *paragraphs],
         tables=[Table(["task", "part", "allowance", "ran", "fits"], rows)])
 
