@@ -15,6 +15,7 @@ from discovery.evidence.budget import (
     SHARES,
     Ledger,
     all_position_sweep_fe,
+    candidate_counts,
     choose_candidates,
     default_budget,
     resolve_budget,
@@ -55,6 +56,11 @@ def test_the_candidate_rule_takes_effects_first_then_patterns():
     assert HeadId(1, 1, "attn") not in chosen and HeadId(3, 0, "attn") not in chosen  # no effect, no pattern
     everyone, _ = choose_candidates(frame, 4.0, th, limit=None)
     assert len(everyone) == frame.height
+
+
+def test_bounded_parts_try_every_candidate_count_from_24_down_to_5():
+    assert candidate_counts(72) == list(range(24, 4, -1))  # Gemma3-270M: 9 fits its default, 8 loses L5H3
+    assert candidate_counts(10) == [9, 8, 7, 6, 5] and candidate_counts(5) == [] and candidate_counts(3) == []
 
 
 def test_the_ledger_shares_the_budget_in_order_and_unbounded_allows_everything():
