@@ -2,7 +2,7 @@
 
 A scan's sweep, evidence and pair stages measure the same batch of prompts; each building its own
 :class:`~discovery.measure.ablation.AblationEngine` paid a clean forward over every prompt again (1
-forward-equivalent a stage: on Gemma3-270M 2 of the 91 its evidence and pairs spent). The caller owns the
+forward-equivalent a stage: on Gemma3-270M, 2 of the 91 fe its evidence and pairs spent). The caller owns the
 cache (no module state) and passes it down; an engine is reused only for the same model object, the same
 head inventory and an identical batch, and starts each stage as a fresh one would
 (:meth:`~discovery.measure.ablation.AblationEngine.fresh_stage`): a stage run in another process (``gascan
