@@ -31,7 +31,8 @@ FINISH_RATIO_PRIOR = 3.0  # finish / sweep seconds before any is predicted: Gemm
 UNBOUNDED_FACTOR = 10.0  # --budget none: evidence + pairs cost about this many sweeps (5-20x measured)
 BUDGET_SHARE = 0.9  # of its budget, what a finish spends: the committed default scans of 2026-12-07 (budget that
 # counts passes) spend 0.98 Gemma3-270M, 0.92 SmolLM2-135M, where the budget binds; the toys, at their 200 fe, 0.56-0.76
-# (reports/*/summary.json budget.spent / budget.budget). Batch ETAs themselves were not remeasured with it
+# (reports/*/summary.json budget.spent / budget.budget). A Gemma3-270M batch's finish shard, predicted with it at
+# 1 min 34 s once its sweep shard ended, took 1 min 36 s (docs/scale.md)
 
 
 def finish_seconds(summary: Mapping[str, Any], layers_by_task: Mapping[str, Sequence[int]],
