@@ -27,7 +27,8 @@ from typing import Any
 
 from pipelines.batch.shards import Shard
 
-FINISH_RATIO_PRIOR = 3.0  # finish / sweep seconds before any is predicted: Gemma3-270M's batches, 2.3-3.1 (docs/batch.md)
+FINISH_RATIO_PRIOR = 2.0  # finish / sweep seconds before any is predicted: with the budget that counts passes
+# (2026-12-07) Gemma3-270M's batch 1.0 and scan 1.3, SmolLM2-135M's scan 2.9 (2.3-3.1 before it: docs/batch.md)
 UNBOUNDED_FACTOR = 10.0  # --budget none: evidence + pairs cost about this many sweeps (5-20x measured)
 BUDGET_SHARE = 0.9  # of its budget, what a finish spends: the committed default scans of 2026-12-07 (budget that
 # counts passes) spend 0.98 Gemma3-270M, 0.92 SmolLM2-135M, where the budget binds; the toys, at their 200 fe, 0.56-0.76
