@@ -135,13 +135,10 @@ class AblationEngine(MediationTests):
         output there instead, ``[repeat * prompt, d_model]``, for :attr:`readout` (no whole-vocabulary logits)."""
         config.stop_layer = self.readout_layer
         query = self._halt_at_readout(config) if candidates else None
+        out = None  # a pass halted at the readout layer returns nothing
         with torch.no_grad(), self.intervener.run(config):
             out = self.model(**self._inputs(repeat))
-        self.layer_rows += repeat * self.n_prompts * self._pass_units(config.start_layer, readout=not candidates)
-        if query is not None:
-            self.layer_rows += repeat * self.n_prompts * self._candidate_units
-            return query["hidden"]
-        return out.logits[:, -1, :].float()
+        return self._query_output(out, query, repeat * self.n_prompts, config.start_layer)
 
     def _halt_at_readout(self, config: PassConfig) -> dict[str, torch.Tensor]:
         """Make ``config`` stop after the readout layer and keep that layer's output at the query (filled by the
@@ -206,14 +203,17 @@ class AblationEngine(MediationTests):
         inputs.update({cache_arg: cache, "use_cache": True})
         config.stop_layer = self.readout_layer
         query = self._halt_at_readout(config) if candidates else None
+        out = None  # a pass halted at the readout layer returns nothing
         with torch.no_grad(), self.intervener.run(config):
             out = self.model(**inputs)
-        self.layer_rows += repeat * self.n_prompts * self._pass_units(config.start_layer, last_only=True,
-                                                                      readout=not candidates)
-        if query is not None:
-            self.layer_rows += repeat * self.n_prompts * self._candidate_units
-            return query["hidden"]
-        return out.logits[:, -1, :].float()
+        return self._query_output(out, query, repeat * self.n_prompts, config.start_layer, last_only=True)
+
+    def _query_output(self, out, query: dict | None, rows: int, start: int, last_only: bool = False) -> torch.Tensor:
+        """A scored pass's result, counted in :attr:`layer_rows`: the last position's logits, or with ``query``
+        (:meth:`_halt_at_readout`; ``out`` None, the pass halted) the readout layer's output there."""
+        self.layer_rows += rows * (self._pass_units(start, last_only=last_only, readout=query is None)
+                                   + (self._candidate_units if query is not None else 0.0))
+        return query["hidden"] if query is not None else out.logits[:, -1, :].float()
 
     def _clean_pass(self) -> Scores:
         """The clean scores, every layer's output (:attr:`hidden`) and every head group's out-projection input

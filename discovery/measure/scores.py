@@ -1,5 +1,6 @@
-"""What an ablation run returns: per-ablation, per-prompt scores at the query, progress callbacks, and the
-mediated share of an ablation's cost (split from :mod:`discovery.measure.ablation`, which re-exports them)."""
+"""What an ablation run returns: per-ablation, per-prompt scores at the query (from the whole vocabulary or the
+candidates' unembedding rows only) and progress callbacks (split from :mod:`discovery.measure.ablation`, which
+re-exports them)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence

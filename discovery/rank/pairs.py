@@ -207,7 +207,7 @@ def rank_pairs(lm: Any, batch: Any, heads_frame: pl.DataFrame, k: int = 3, *, su
         first = [p for p in pairs if has_ga_roles(role_of.get(p[0]), role_of.get(p[1]))] or pairs
         for pair in first:
             if pair not in reserve:
-                tests = _verify_ablations(engine, [{"_pair": 0}], [pair], control_draws, seed)[0]
+                tests = _verify_ablations(engine, [pair], control_draws, seed)[0]
                 reserve[pair] = engine.predicted_forward_equivalents(tests, logprob=False)
         return max(reserve[p] for p in first)
 
@@ -274,7 +274,8 @@ def rank_pairs(lm: Any, batch: Any, heads_frame: pl.DataFrame, k: int = 3, *, su
     chosen = verification_choice(rows, k)
     allowed = ledger.allowance("pairs")
     n_top, cost, fits = fit(list(range(len(chosen), 0, -1)), lambda n: engine.predicted_forward_equivalents(
-        _verify_ablations(engine, chosen[:n], candidates, control_draws, seed)[0], logprob=False), allowed)
+        _verify_ablations(engine, [candidates[r["_pair"]] for r in chosen[:n]], control_draws, seed)[0],
+        logprob=False), allowed)
     ledger.charge("pairs (verification)", allowed, cost, pairs=n_top, of=len(chosen), controls=control_draws,
                   fits=fits)
     _verify(engine, chosen[:n_top], candidates, control_draws, bootstrap, seed, progress)
@@ -346,23 +347,23 @@ def _layers_text(distance: int) -> str:
     return "same layers" if distance == 0 else f"±{distance} layer" + ("s" if distance > 1 else "")
 
 
-def _verify_ablations(engine: AblationEngine, rows: list[dict[str, Any]], candidates: list[tuple[HeadId, HeadId]],
-                      draws: int, seed: int) -> tuple[list[Ablation], list[list[tuple[HeadId, HeadId]]], list[int]]:
-    """The verification's ablations (each top pair's joint ablation, then every control pair), the control
-    pools and how far each pool was widened."""
+def _verify_ablations(engine: AblationEngine, pairs: Sequence[tuple[HeadId, HeadId]], draws: int, seed: int
+                      ) -> tuple[list[Ablation], list[list[tuple[HeadId, HeadId]]], list[int]]:
+    """The verification of ``pairs`` (gather, aggregate): its ablations (each pair's joint ablation, then every
+    control pair), the control pools and how far each pool was widened."""
     pools, distances = [], []
-    for r in rows:
-        pool, distance = control_pool(engine.inventory, *candidates[r["_pair"]], draws, seed)
+    for pair in pairs:
+        pool, distance = control_pool(engine.inventory, *pair, draws, seed)
         pools.append(pool)
         distances.append(distance)
-    joints = [Ablation(candidates[r["_pair"]], label="joint") for r in rows]
+    joints = [Ablation(pair, label="joint") for pair in pairs]
     return joints + [Ablation(pair, label="control") for pool in pools for pair in pool], pools, distances
 
 
 def _verify(engine: AblationEngine, rows: list[dict[str, Any]], candidates: list[tuple[HeadId, HeadId]],
             draws: int, bootstrap: int, seed: int, progress: Progress | None = None) -> None:
     """Fill the joint-effect and control columns of ``rows`` (the top pairs) in place."""
-    ablations, controls, distances = _verify_ablations(engine, rows, candidates, draws, seed)
+    ablations, controls, distances = _verify_ablations(engine, [candidates[r["_pair"]] for r in rows], draws, seed)
     if not rows:
         return
     tick = stage_ticker(progress, "pairs: verification (joint + controls)", len(ablations))
